@@ -1,0 +1,51 @@
+//! The admin endpoint: liveness, readiness and Prometheus metrics, on its own port so it can be
+//! firewalled apart from the agent and frontend ports.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::server::Shared;
+
+#[derive(Clone)]
+struct AdminState {
+    shared: Arc<Shared>,
+    metrics: Option<PrometheusHandle>,
+}
+
+/// The admin routes.
+pub fn router(shared: Arc<Shared>, metrics: Option<PrometheusHandle>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(render_metrics))
+        .with_state(AdminState { shared, metrics })
+}
+
+/// Ready while every listener is up and the gateway is not draining; the body says why not.
+async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
+    let shared = &state.shared;
+    if shared.drain_started.is_cancelled() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
+    }
+    if !shared.listeners_up.load(std::sync::atomic::Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "listeners not up yet\n".into());
+    }
+    let mut body = String::from("ready\n");
+    for tenant in shared.tenants.iter() {
+        body.push_str(&format!("tenant {}: {} agent sessions\n", tenant.name, tenant.registry.len()));
+    }
+    (StatusCode::OK, body)
+}
+
+async fn render_metrics(State(state): State<AdminState>) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+    let content_type = [("content-type", "text/plain; version=0.0.4; charset=utf-8")];
+    match &state.metrics {
+        Some(handle) => (StatusCode::OK, content_type, handle.render()),
+        None => (StatusCode::NOT_FOUND, content_type, "metrics are not enabled in this process\n".into()),
+    }
+}

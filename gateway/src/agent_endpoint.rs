@@ -1,0 +1,205 @@
+//! The agent endpoint: `GET /v1/tunnel`. Everything is checked before the WebSocket upgrade
+//! (tenant from Host/SNI, draining, upgrade headers, subprotocol, token, limits), so a refused
+//! agent gets a plain HTTP error with a short reason and never a 101.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{
+    AUTHORIZATION, CONNECTION, HOST, RETRY_AFTER, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL,
+    SEC_WEBSOCKET_VERSION, UPGRADE, WWW_AUTHENTICATE,
+};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tether_tunnel::protocol::{SUBPROTOCOL, TUNNEL_PATH};
+use tether_tunnel::ws::WsByteStream;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+
+use crate::agent_session::{self, SessionSlots};
+use crate::auth::token::AuthError;
+use crate::metrics::AGENT_CONNECTS;
+use crate::server::Shared;
+use crate::tenant::Tenant;
+
+/// What the gateway knows about the connection a request arrived on.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// The client's address.
+    pub peer: SocketAddr,
+    /// The TLS server name the client asked for, when the gateway terminated TLS.
+    pub sni: Option<String>,
+}
+
+type HttpResponse = Response<Full<Bytes>>;
+
+/// Routes a request on the agent port.
+pub async fn handle(req: Request<Incoming>, conn: ConnInfo, shared: Arc<Shared>) -> Result<HttpResponse, Infallible> {
+    Ok(match req.uri().path() {
+        TUNNEL_PATH => tunnel(req, &conn, &shared),
+        "/healthz" => text(StatusCode::OK, "ok"),
+        _ => text(StatusCode::NOT_FOUND, "not found; agents connect to /v1/tunnel"),
+    })
+}
+
+fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> HttpResponse {
+    if req.method() != Method::GET {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "the tunnel endpoint takes GET with a WebSocket upgrade");
+    }
+    let tenant = match tenant_of(req.headers(), conn, shared) {
+        Ok(tenant) => tenant,
+        Err(response) => return response,
+    };
+    if shared.drain_started.is_cancelled() {
+        return retry_later("gateway is shutting down; connect to another replica");
+    }
+    let key = match check_upgrade(req.headers()) {
+        Ok(key) => key,
+        Err(response) => return response,
+    };
+    let identity = match bearer_token(req.headers()).and_then(|token| tenant.verifier.verify(token)) {
+        Ok(identity) => identity,
+        Err(e) => {
+            metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
+            tracing::info!(tenant = %tenant.name, peer = %conn.peer, reason = %e, "agent refused: bad token");
+            let mut response = text(StatusCode::UNAUTHORIZED, &format!("unauthorized: {e}"));
+            response
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer error=\"invalid_token\""));
+            return response;
+        }
+    };
+    let slots = match SessionSlots::reserve(shared, &tenant) {
+        Ok(slots) => slots,
+        Err(reason) => {
+            metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "limit").increment(1);
+            tracing::warn!(tenant = %tenant.name, peer = %conn.peer, reason, "agent refused: limit reached");
+            return retry_later(reason);
+        }
+    };
+
+    let peer = conn.peer;
+    let shared_for_task = shared.clone();
+    shared.session_tasks.spawn(async move {
+        let upgraded = match hyper::upgrade::on(req).await {
+            Ok(upgraded) => upgraded,
+            Err(e) => {
+                tracing::info!(tenant = %tenant.name, %peer, error = %e, "WebSocket upgrade did not complete");
+                return;
+            }
+        };
+        let shared = shared_for_task;
+        let ws_config = shared.ws.tungstenite_config();
+        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config)).await;
+        let stream = WsByteStream::new(ws, &shared.ws);
+        agent_session::run(shared, tenant, identity, stream, peer, slots).await;
+    });
+
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let headers = response.headers_mut();
+    headers.insert(UPGRADE, HeaderValue::from_static("websocket"));
+    headers.insert(CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(SEC_WEBSOCKET_PROTOCOL, HeaderValue::from_static(SUBPROTOCOL));
+    if let Ok(accept) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
+        headers.insert(SEC_WEBSOCKET_ACCEPT, accept);
+    }
+    response
+}
+
+/// The tenant named by SNI and/or Host; when both are present they must agree.
+fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Arc<Tenant>, HttpResponse> {
+    let host = headers.get(HOST).and_then(|h| h.to_str().ok());
+    let by_host = host.map(|h| (h, shared.tenants.for_host(h)));
+    let by_sni = conn.sni.as_deref().map(|s| (s, shared.tenants.for_host(s)));
+    match (by_sni, by_host) {
+        (Some((sni, Some(a))), Some((host, Some(b)))) => {
+            if Arc::ptr_eq(&a, &b) {
+                Ok(a)
+            } else {
+                Err(text(
+                    StatusCode::MISDIRECTED_REQUEST,
+                    &format!("TLS server name {sni} and Host {host} belong to different clusters"),
+                ))
+            }
+        }
+        (Some((_, Some(tenant))), None) | (None, Some((_, Some(tenant)))) => Ok(tenant),
+        (Some((sni, Some(_))), Some((host, None))) => Err(text(
+            StatusCode::MISDIRECTED_REQUEST,
+            &format!("Host {} does not match TLS server name {sni}", printable(host)),
+        )),
+        (Some((sni, None)), _) => Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni)))),
+        (None, Some((host, None))) => {
+            Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host))))
+        }
+        (None, None) => Err(text(StatusCode::BAD_REQUEST, "missing Host header")),
+    }
+}
+
+/// Checks the WebSocket upgrade headers and our subprotocol; returns the client's key.
+fn check_upgrade(headers: &HeaderMap) -> Result<String, HttpResponse> {
+    let has_token = |name, token: &str| {
+        headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case(token))
+    };
+    if !has_token(UPGRADE, "websocket") || !has_token(CONNECTION, "upgrade") {
+        let mut response = text(StatusCode::UPGRADE_REQUIRED, "the tunnel endpoint needs a WebSocket upgrade");
+        response.headers_mut().insert(UPGRADE, HeaderValue::from_static("websocket"));
+        return Err(response);
+    }
+    if headers.get(SEC_WEBSOCKET_VERSION).and_then(|v| v.to_str().ok()) != Some("13") {
+        let mut response = text(StatusCode::UPGRADE_REQUIRED, "WebSocket version 13 is required");
+        response.headers_mut().insert(SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
+        return Err(response);
+    }
+    if !has_token(SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
+        return Err(text(
+            StatusCode::BAD_REQUEST,
+            &format!("unsupported tunnel protocol: this gateway speaks {SUBPROTOCOL}; upgrade or downgrade the agent"),
+        ));
+    }
+    headers
+        .get(SEC_WEBSOCKET_KEY)
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| !k.is_empty() && k.len() < 64)
+        .map(str::to_owned)
+        .ok_or_else(|| text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key"))
+}
+
+fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
+    let value = headers.get(AUTHORIZATION).ok_or(AuthError::Missing)?;
+    let value = value.to_str().map_err(|_| AuthError::Malformed)?;
+    let (scheme, token) = value.split_once(' ').ok_or(AuthError::Malformed)?;
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return Err(AuthError::Missing);
+    }
+    Ok(token.trim())
+}
+
+fn retry_later(reason: &str) -> HttpResponse {
+    let mut response = text(StatusCode::SERVICE_UNAVAILABLE, reason);
+    response.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("5"));
+    response
+}
+
+fn text(status: StatusCode, body: &str) -> HttpResponse {
+    let mut response = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+}
+
+fn printable(s: &str) -> String {
+    s.chars().filter(|c| c.is_ascii_graphic()).take(128).collect()
+}

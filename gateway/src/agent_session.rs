@@ -1,0 +1,370 @@
+//! One connected agent: the control-stream handshake (Hello -> Welcome), registration for routing,
+//! token refresh and expiry, drain, and streams the agent opens.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tether_tunnel::framed::{FrameError, read_frame, read_raw_frame, write_frame};
+use tether_tunnel::mux::{self, Incoming, MuxStream, Role};
+use tether_tunnel::protocol::{
+    self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen, StreamResult,
+    TokenRefreshResult, Welcome,
+};
+use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::time::Instant;
+
+use crate::auth::token::Identity;
+use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, SESSIONS_CLOSED, TOKEN_REFRESHES};
+use crate::registry::{AgentIdentifiers, AgentSession};
+use crate::server::Shared;
+use crate::tenant::Tenant;
+
+/// The global and per-tenant session slots a connection holds for its whole life.
+pub struct SessionSlots {
+    _global: OwnedSemaphorePermit,
+    _tenant: OwnedSemaphorePermit,
+}
+
+impl SessionSlots {
+    /// Takes a slot from both limits, or says which one is full.
+    pub fn reserve(shared: &Shared, tenant: &Tenant) -> Result<Self, &'static str> {
+        let tenant_slot = tenant
+            .agent_slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "this cluster has reached its agent limit (limits.max_agents)")?;
+        let global_slot = shared
+            .session_slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "this gateway has reached its agent session limit (limits.max_agent_sessions)")?;
+        Ok(Self { _global: global_slot, _tenant: tenant_slot })
+    }
+}
+
+/// Why a session ended (a bounded metric label).
+#[derive(Debug, Clone, Copy)]
+enum CloseReason {
+    HandshakeFailed,
+    AgentClosed,
+    ConnectionLost,
+    TokenExpired,
+    ProtocolError,
+    GatewayStopped,
+}
+
+impl CloseReason {
+    fn label(self) -> &'static str {
+        match self {
+            Self::HandshakeFailed => "handshake_failed",
+            Self::AgentClosed => "agent_closed",
+            Self::ConnectionLost => "connection_lost",
+            Self::TokenExpired => "token_expired",
+            Self::ProtocolError => "protocol_error",
+            Self::GatewayStopped => "gateway_stopped",
+        }
+    }
+}
+
+/// Runs a session from just after the upgrade until it ends.
+pub async fn run<T>(
+    shared: Arc<Shared>,
+    tenant: Arc<Tenant>,
+    identity: Identity,
+    io: T,
+    peer: SocketAddr,
+    slots: SessionSlots,
+) where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
+    let (session, mut incoming, driver) = mux::start(io, Role::Server, &shared.mux);
+    let driver = tokio::spawn(driver);
+    let reason = serve(&shared, &tenant, identity, &session, &mut incoming, peer, conn_id).await;
+    session.close();
+    if tokio::time::timeout(Duration::from_secs(5), driver).await.is_err() {
+        tracing::debug!(tenant = %tenant.name, %peer, "session driver did not stop in time");
+    }
+    metrics::counter!(SESSIONS_CLOSED, "tenant" => tenant.name.to_string(), "reason" => reason.label()).increment(1);
+    drop(slots);
+}
+
+async fn serve(
+    shared: &Arc<Shared>,
+    tenant: &Arc<Tenant>,
+    identity: Identity,
+    session: &mux::Session,
+    incoming: &mut Incoming,
+    peer: SocketAddr,
+    conn_id: u64,
+) -> CloseReason {
+    let handshake = tokio::time::timeout(shared.config.limits.handshake_timeout.0, accept_hello(incoming)).await;
+    let (mut control, hello) = match handshake {
+        Ok(Ok(pair)) => pair,
+        Ok(Err(e)) => {
+            tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent handshake failed");
+            return CloseReason::HandshakeFailed;
+        }
+        Err(_) => {
+            tracing::info!(tenant = %tenant.name, %peer, "agent sent no Hello in time");
+            return CloseReason::HandshakeFailed;
+        }
+    };
+
+    let agent_id = match agent_id(&hello, &identity) {
+        Ok(id) => id,
+        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason).await,
+    };
+    let identifiers = match AgentIdentifiers::from_declared(&hello.identifiers, identity.node_name.as_deref()) {
+        Ok(ids) => ids,
+        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason).await,
+    };
+    let welcome = ControlMessage::Welcome(Welcome {
+        server_id: shared.server_id.clone(),
+        server_count: 1,
+        agent_id: agent_id.clone(),
+        ping_interval_ms: u64::try_from(shared.config.keepalive.ping_interval.0.as_millis()).unwrap_or(u64::MAX),
+        max_streams: u32::try_from(shared.mux.max_streams).unwrap_or(u32::MAX),
+        token_expires_at: Some(identity.expires_at),
+    });
+    let greeted = async {
+        write_frame(&mut control, &StreamResult::ok(), MAX_STREAM_FRAME).await?;
+        write_frame(&mut control, &welcome, MAX_CONTROL_FRAME).await
+    };
+    if let Err(e) = greeted.await {
+        tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent went away during the handshake");
+        return CloseReason::HandshakeFailed;
+    }
+
+    let (control_tx, mut control_rx) = mpsc::channel(16);
+    let entry = Arc::new(AgentSession::new(conn_id, agent_id.clone(), peer, session.clone(), identifiers, control_tx));
+    let _registration = Registration::new(tenant.clone(), entry.clone());
+    metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "ok").increment(1);
+    tracing::info!(tenant = %tenant.name, agent = %agent_id, %peer, version = %hello.version, "agent connected");
+
+    let (control_read, mut control_write) = tokio::io::split(control);
+    let (message_tx, mut messages) = mpsc::channel(16);
+    let reader = AbortOnDrop(tokio::spawn(read_control(control_read, message_tx)));
+    let mut subject = identity.subject;
+    let expiry = tokio::time::sleep_until(deadline(identity.expires_at));
+    tokio::pin!(expiry);
+    let mut drain_sent = false;
+
+    let reason = loop {
+        tokio::select! {
+            () = &mut expiry => {
+                tracing::warn!(tenant = %tenant.name, agent = %agent_id, "closing session: token expired without refresh");
+                break CloseReason::TokenExpired;
+            }
+            message = messages.recv() => match message {
+                None => break CloseReason::AgentClosed,
+                Some(Err(e)) => {
+                    tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "bad control message");
+                    break CloseReason::ProtocolError;
+                }
+                Some(Ok(ControlMessage::TokenRefresh(refresh))) => {
+                    let answer = refresh_token(tenant, &agent_id, &mut subject, &refresh.token);
+                    if let Some(expires_at) = answer.expires_at.filter(|_| answer.ok) {
+                        expiry.as_mut().reset(deadline(expires_at));
+                    }
+                    if send(&mut control_write, &ControlMessage::TokenRefreshResult(answer)).await.is_err() {
+                        break CloseReason::ConnectionLost;
+                    }
+                }
+                Some(Ok(ControlMessage::IdentifiersUpdate(update))) => {
+                    let node = identity.node_name.as_deref();
+                    match AgentIdentifiers::from_declared(&update, node) {
+                        Ok(ids) => tenant.registry.update_identifiers(&entry, ids),
+                        Err(e) => tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "identifier update ignored"),
+                    }
+                }
+                Some(Ok(other)) => tracing::debug!(tenant = %tenant.name, agent = %agent_id, ?other, "control message ignored"),
+            },
+            outgoing = control_rx.recv() => {
+                if let Some(message) = outgoing {
+                    if send(&mut control_write, &message).await.is_err() {
+                        break CloseReason::ConnectionLost;
+                    }
+                }
+            }
+            stream = incoming.accept() => match stream {
+                Some(stream) => {
+                    let tenant = tenant.clone();
+                    tokio::spawn(async move { refuse_inbound(stream, &tenant).await });
+                }
+                None => break CloseReason::ConnectionLost,
+            },
+            () = shared.drain_started.cancelled(), if !drain_sent => {
+                drain_sent = true;
+                entry.set_draining();
+                let grace = shared.config.drain_grace_period.0;
+                let drain = ControlMessage::Drain(Drain {
+                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                    reason: "gateway shutting down".into(),
+                });
+                if send(&mut control_write, &drain).await.is_err() {
+                    break CloseReason::ConnectionLost;
+                }
+            }
+            () = shared.hard_stop.cancelled() => break CloseReason::GatewayStopped,
+        }
+    };
+    drop(reader);
+    tracing::info!(tenant = %tenant.name, agent = %agent_id, %peer, reason = reason.label(), "agent session closed");
+    reason
+}
+
+/// Waits for the control stream and the agent's Hello.
+async fn accept_hello(incoming: &mut Incoming) -> Result<(MuxStream, Hello), String> {
+    let mut control = incoming.accept().await.ok_or("session closed before the control stream")?;
+    let raw = read_raw_frame(&mut control, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+    match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {
+        Ok(Some((StreamOpen::Control(_), _))) => {}
+        _ => {
+            let refusal = StreamResult::refused(ErrorCode::BadRequest, "the first stream must be the control stream");
+            let _ = write_frame(&mut control, &refusal, MAX_STREAM_FRAME).await;
+            return Err(format!("first stream was {:?}, not control", protocol::stream_kind_name(&raw)));
+        }
+    }
+    match read_frame::<ControlMessage, _>(&mut control, MAX_CONTROL_FRAME).await {
+        Ok(ControlMessage::Hello(hello)) => Ok((control, hello)),
+        Ok(other) => Err(format!("expected Hello, got {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The agent's registered id: the node a bound token proves wins over what the agent claims.
+fn agent_id(hello: &Hello, identity: &Identity) -> Result<String, String> {
+    if let Some(node) = &identity.node_name {
+        if !hello.agent_id.is_empty() && !hello.agent_id.eq_ignore_ascii_case(node) {
+            tracing::warn!(claimed = %printable(&hello.agent_id), proven = %node, "agent id differs from the node its token is bound to; using the node");
+        }
+        return Ok(node.clone());
+    }
+    let id = hello.agent_id.trim();
+    if id.is_empty() || id.len() > 253 || !id.chars().all(|c| c.is_ascii_graphic()) {
+        return Err("agent_id must be 1-253 printable ASCII characters".into());
+    }
+    Ok(id.to_owned())
+}
+
+async fn refuse_hello(control: &mut MuxStream, tenant: &Tenant, peer: SocketAddr, reason: &str) -> CloseReason {
+    tracing::info!(tenant = %tenant.name, %peer, reason, "agent Hello refused");
+    metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "bad_hello").increment(1);
+    let _ = write_frame(control, &StreamResult::refused(ErrorCode::BadRequest, reason), MAX_STREAM_FRAME).await;
+    CloseReason::HandshakeFailed
+}
+
+/// Checks a refreshed token: valid for the tenant and for the same subject as the session's.
+fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &str) -> TokenRefreshResult {
+    let refused = |message: String, label: &'static str| {
+        metrics::counter!(TOKEN_REFRESHES, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
+        tracing::warn!(tenant = %tenant.name, agent = %agent_id, reason = %message, "token refresh refused");
+        TokenRefreshResult { ok: false, expires_at: None, message: Some(message) }
+    };
+    match tenant.verifier.verify(token) {
+        Err(e) => refused(e.to_string(), e.label()),
+        Ok(identity) if identity.subject != *subject => {
+            refused("the new token is for a different subject".into(), "subject_changed")
+        }
+        Ok(identity) => {
+            metrics::counter!(TOKEN_REFRESHES, "tenant" => tenant.name.to_string(), "result" => "ok").increment(1);
+            tracing::debug!(tenant = %tenant.name, agent = %agent_id, expires_at = identity.expires_at, "token refreshed");
+            *subject = identity.subject;
+            TokenRefreshResult { ok: true, expires_at: Some(identity.expires_at), message: None }
+        }
+    }
+}
+
+/// Streams agents open towards the gateway. Node -> control-plane forwarding is denied unless a
+/// tenant allow list permits it; other kinds are not served by the gateway.
+async fn refuse_inbound(mut stream: MuxStream, tenant: &Tenant) {
+    let header = tokio::time::timeout(Duration::from_secs(10), read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
+    let Ok(Ok(raw)) = header else { return };
+    let refusal = match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {
+        Ok(Some((StreamOpen::Forward(request), _))) => StreamResult::refused(
+            ErrorCode::NotAllowed,
+            format!(
+                "forwarding to {:?} is denied: cluster {} has no node_to_controlplane allow list",
+                printable(&request.target),
+                tenant.name
+            ),
+        ),
+        Ok(Some((StreamOpen::Control(_), _))) => {
+            StreamResult::refused(ErrorCode::BadRequest, "a session has exactly one control stream")
+        }
+        Ok(Some((StreamOpen::Dial(_), _))) => {
+            StreamResult::refused(ErrorCode::Unsupported, "the gateway does not accept dial streams")
+        }
+        Ok(Some((StreamOpen::Unknown, _))) => StreamResult::refused(
+            ErrorCode::Unsupported,
+            format!("unknown stream kind {:?}", protocol::stream_kind_name(&raw)),
+        ),
+        Ok(None) | Err(_) => StreamResult::refused(ErrorCode::BadRequest, "malformed stream header"),
+    };
+    let _ = write_frame(&mut stream, &refusal, MAX_STREAM_FRAME).await;
+}
+
+async fn read_control<R: AsyncRead + Unpin>(mut reader: R, tx: mpsc::Sender<Result<ControlMessage, FrameError>>) {
+    loop {
+        match read_frame::<ControlMessage, _>(&mut reader, MAX_CONTROL_FRAME).await {
+            Ok(message) => {
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+            Err(FrameError::Eof) => return,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn send<W: AsyncWrite + Unpin>(writer: &mut WriteHalf<W>, message: &ControlMessage) -> Result<(), FrameError> {
+    write_frame(writer, message, MAX_CONTROL_FRAME).await
+}
+
+/// When a token expiring at `exp` (Unix seconds) stops being valid, as a timer deadline.
+fn deadline(exp: u64) -> Instant {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+    Instant::now() + Duration::from_secs(exp.saturating_sub(now))
+}
+
+/// Registration in the tenant's routing table and the sessions gauge, undone on drop.
+struct Registration {
+    tenant: Arc<Tenant>,
+    entry: Arc<AgentSession>,
+}
+
+impl Registration {
+    fn new(tenant: Arc<Tenant>, entry: Arc<AgentSession>) -> Self {
+        tenant.registry.register(entry.clone());
+        metrics::gauge!(AGENT_SESSIONS, "tenant" => tenant.name.to_string()).increment(1.0);
+        Self { tenant, entry }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.entry.set_draining();
+        self.tenant.registry.deregister(&self.entry);
+        metrics::gauge!(AGENT_SESSIONS, "tenant" => self.tenant.name.to_string()).decrement(1.0);
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn printable(s: &str) -> String {
+    s.chars().filter(|c| c.is_ascii_graphic()).take(253).collect()
+}

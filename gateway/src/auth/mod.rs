@@ -1,0 +1,4 @@
+//! Agent authentication: JWTs checked against each tenant's issuer keys.
+
+pub mod keys;
+pub mod token;

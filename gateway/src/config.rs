@@ -1,0 +1,580 @@
+//! The gateway's configuration: one YAML file, every key overridable from the environment
+//! (`TETHER__LISTEN__AGENTS=0.0.0.0:8443`), validated at start-up with errors that name the key
+//! and say how to fix it.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tether_tunnel::duration::HumanDuration;
+use tether_tunnel::telemetry::LogFormat;
+
+/// The whole gateway configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Stable id of this replica; defaults to the host name (the pod name in Kubernetes).
+    #[serde(default)]
+    pub server_id: Option<String>,
+    /// Listening addresses.
+    #[serde(default)]
+    pub listen: ListenConfig,
+    /// TLS for the agent endpoint. Omit it to serve plain HTTP behind a TLS-terminating ingress.
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
+    /// WebSocket keepalive towards agents.
+    #[serde(default)]
+    pub keepalive: KeepaliveConfig,
+    /// Process-wide limits.
+    #[serde(default)]
+    pub limits: GlobalLimits,
+    /// How long SIGTERM waits for streams to finish before closing sessions.
+    #[serde(default = "defaults::drain_grace_period")]
+    pub drain_grace_period: HumanDuration,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// The tenant clusters this gateway serves.
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// Listening addresses.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenConfig {
+    /// Agent endpoint (`GET /v1/tunnel`), behind the LB or ingress.
+    #[serde(default = "defaults::agents_addr")]
+    pub agents: SocketAddr,
+    /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
+    #[serde(default = "defaults::admin_addr")]
+    pub admin: SocketAddr,
+}
+
+impl Default for ListenConfig {
+    fn default() -> Self {
+        Self { agents: defaults::agents_addr(), admin: defaults::admin_addr() }
+    }
+}
+
+/// A certificate and its key, in PEM files.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// Certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// Private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+}
+
+/// WebSocket keepalive settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeepaliveConfig {
+    /// Ping every this often (keeps LB and proxy idle timers from firing).
+    #[serde(default = "defaults::ping_interval")]
+    pub ping_interval: HumanDuration,
+    /// Declare a peer dead after this much silence past a ping interval.
+    #[serde(default = "defaults::ping_timeout")]
+    pub ping_timeout: HumanDuration,
+}
+
+impl Default for KeepaliveConfig {
+    fn default() -> Self {
+        Self { ping_interval: defaults::ping_interval(), ping_timeout: defaults::ping_timeout() }
+    }
+}
+
+/// Limits that protect the whole process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GlobalLimits {
+    /// Agent sessions across all tenants.
+    #[serde(default = "defaults::max_agent_sessions")]
+    pub max_agent_sessions: usize,
+    /// Streams one agent session may carry at once.
+    #[serde(default = "defaults::max_streams_per_agent")]
+    pub max_streams_per_agent: usize,
+    /// Time allowed for TLS, the upgrade request and the agent's Hello.
+    #[serde(default = "defaults::handshake_timeout")]
+    pub handshake_timeout: HumanDuration,
+    /// Time a CONNECT client has to send its request head.
+    #[serde(default = "defaults::request_timeout")]
+    pub connect_request_timeout: HumanDuration,
+    /// Bytes read per WebSocket read call, and the initial read buffer (memory per idle agent).
+    #[serde(default = "defaults::ws_read_buffer")]
+    pub ws_read_buffer_size: usize,
+}
+
+impl Default for GlobalLimits {
+    fn default() -> Self {
+        Self {
+            max_agent_sessions: defaults::max_agent_sessions(),
+            max_streams_per_agent: defaults::max_streams_per_agent(),
+            handshake_timeout: defaults::handshake_timeout(),
+            connect_request_timeout: defaults::request_timeout(),
+            ws_read_buffer_size: defaults::ws_read_buffer(),
+        }
+    }
+}
+
+/// Logging settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// Filter in `RUST_LOG` syntax.
+    #[serde(default = "defaults::log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, level: defaults::log_level() }
+    }
+}
+
+/// One tenant cluster.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Short name, used in logs and metric labels.
+    pub name: String,
+    /// Host names (Host header / TLS SNI) its agents connect to.
+    pub hosts: Vec<String>,
+    /// How its agents' tokens are checked.
+    pub auth: AuthConfig,
+    /// Where its kube-apiserver connects to reach its nodes.
+    #[serde(default)]
+    pub frontend: FrontendConfig,
+    /// How a dial picks an agent, tried in order.
+    #[serde(default = "defaults::routing")]
+    pub routing: Vec<RoutingStrategy>,
+    /// Limits for this tenant.
+    #[serde(default)]
+    pub limits: TenantLimits,
+}
+
+/// Token checks for a tenant's agents.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Expected `iss` claim.
+    pub issuer: String,
+    /// Accepted `aud` values (at least one must be in the token).
+    pub audiences: Vec<String>,
+    /// Accepted signature algorithms.
+    #[serde(default = "defaults::algorithms")]
+    pub algorithms: Vec<String>,
+    /// A JWKS file holding the issuer's public keys.
+    pub jwks_file: PathBuf,
+    /// If set, only these subjects (`system:serviceaccount:<ns>:<name>`) may connect.
+    #[serde(default)]
+    pub allowed_subjects: Vec<String>,
+    /// Clock skew tolerated on `exp` and `nbf`.
+    #[serde(default = "defaults::leeway")]
+    pub leeway: HumanDuration,
+}
+
+/// Where a tenant's kube-apiserver reaches the gateway (HTTP CONNECT, Konnectivity http-connect mode).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FrontendConfig {
+    /// Unix socket path (KAS `transport.uds.udsName`).
+    #[serde(default)]
+    pub uds: Option<PathBuf>,
+    /// TCP listener (KAS `transport.tcp.url`), optionally with TLS and client certificates.
+    #[serde(default)]
+    pub tcp: Option<TcpFrontendConfig>,
+}
+
+/// A TCP CONNECT frontend.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TcpFrontendConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Server certificate; omit for plain TCP (only on trusted networks).
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
+    /// CA that client certificates must chain to; setting it requires mutual TLS.
+    #[serde(default)]
+    pub client_ca_file: Option<PathBuf>,
+}
+
+/// One step of a tenant's routing chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingStrategy {
+    /// The agent whose identifiers (host names, addresses, CIDRs) match the dial target.
+    DestHost,
+    /// Agents that declared themselves default routes.
+    DefaultRoute,
+    /// Any agent of the tenant, the least loaded of two picked at random.
+    LeastLoaded,
+}
+
+/// Per-tenant limits.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLimits {
+    /// Agent sessions.
+    #[serde(default = "defaults::max_agents")]
+    pub max_agents: usize,
+    /// Concurrent tunnelled streams across all of the tenant's agents.
+    #[serde(default = "defaults::max_streams")]
+    pub max_streams: usize,
+    /// Dials waiting for an agent's answer.
+    #[serde(default = "defaults::max_pending_dials")]
+    pub max_pending_dials: usize,
+    /// How long a dial may take, agent connect included.
+    #[serde(default = "defaults::dial_timeout")]
+    pub dial_timeout: HumanDuration,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        Self {
+            max_agents: defaults::max_agents(),
+            max_streams: defaults::max_streams(),
+            max_pending_dials: defaults::max_pending_dials(),
+            dial_timeout: defaults::dial_timeout(),
+        }
+    }
+}
+
+mod defaults {
+    use super::*;
+
+    pub fn agents_addr() -> SocketAddr {
+        SocketAddr::from(([0, 0, 0, 0], 8443))
+    }
+    pub fn admin_addr() -> SocketAddr {
+        SocketAddr::from(([0, 0, 0, 0], 9090))
+    }
+    pub fn ping_interval() -> HumanDuration {
+        Duration::from_secs(20).into()
+    }
+    pub fn ping_timeout() -> HumanDuration {
+        Duration::from_secs(20).into()
+    }
+    pub fn drain_grace_period() -> HumanDuration {
+        Duration::from_secs(30).into()
+    }
+    pub fn handshake_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn request_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn ws_read_buffer() -> usize {
+        8 * 1024
+    }
+    pub fn max_agent_sessions() -> usize {
+        50_000
+    }
+    pub fn max_streams_per_agent() -> usize {
+        8192
+    }
+    pub fn log_level() -> String {
+        "info".into()
+    }
+    pub fn routing() -> Vec<RoutingStrategy> {
+        vec![RoutingStrategy::DestHost, RoutingStrategy::DefaultRoute, RoutingStrategy::LeastLoaded]
+    }
+    pub fn algorithms() -> Vec<String> {
+        vec!["RS256".into(), "ES256".into()]
+    }
+    pub fn leeway() -> HumanDuration {
+        Duration::from_secs(30).into()
+    }
+    pub fn max_agents() -> usize {
+        10_000
+    }
+    pub fn max_streams() -> usize {
+        100_000
+    }
+    pub fn max_pending_dials() -> usize {
+        1_000
+    }
+    pub fn dial_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+}
+
+/// A configuration problem: the key and what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {problem}")]
+pub struct ConfigError {
+    /// Dotted path of the offending key.
+    pub key: String,
+    /// What is wrong and how to fix it.
+    pub problem: String,
+}
+
+fn problem(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError { key: key.into(), problem: problem.into() }
+}
+
+/// Algorithms a tenant may allow. HMAC needs a shared secret and is not accepted here; `none`
+/// never is.
+pub const SUPPORTED_ALGORITHMS: &[&str] =
+    &["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA"];
+
+impl GatewayConfig {
+    /// Loads the file (if any) plus environment overrides, then validates.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let config: Self = tether_tunnel::settings::load(file)?;
+        let problems = config.validate();
+        if !problems.is_empty() {
+            let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
+            let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
+            anyhow::bail!("invalid configuration in {source}:\n{}", list.join("\n"));
+        }
+        Ok(config)
+    }
+
+    /// Every problem found, each naming its key and the fix. Empty when the configuration is usable.
+    pub fn validate(&self) -> Vec<ConfigError> {
+        let mut problems = Vec::new();
+        if self.tenants.is_empty() {
+            problems.push(problem(
+                "tenants",
+                "no tenants configured; add at least one with name, hosts and auth (see README, Configuration)",
+            ));
+        }
+        if self.keepalive.ping_interval.0 < Duration::from_secs(1) {
+            problems.push(problem("keepalive.ping_interval", "must be at least 1s (default 20s)"));
+        }
+        if self.keepalive.ping_timeout.0 < Duration::from_secs(1) {
+            problems.push(problem("keepalive.ping_timeout", "must be at least 1s (default 20s)"));
+        }
+        if self.limits.max_streams_per_agent == 0 || self.limits.max_streams_per_agent > 1_000_000 {
+            problems.push(problem("limits.max_streams_per_agent", "must be between 1 and 1000000"));
+        }
+        if !(1024..=1024 * 1024).contains(&self.limits.ws_read_buffer_size) {
+            problems.push(problem("limits.ws_read_buffer_size", "must be between 1024 and 1048576 bytes"));
+        }
+        if self.listen.agents == self.listen.admin {
+            problems.push(problem("listen.admin", "must differ from listen.agents"));
+        }
+        if let Some(tls) = &self.tls {
+            check_file(&mut problems, "tls.cert_file", &tls.cert_file);
+            check_file(&mut problems, "tls.key_file", &tls.key_file);
+        }
+        let mut names = HashSet::new();
+        let mut hosts = HashSet::new();
+        let mut sockets = HashSet::new();
+        let mut ports = HashSet::from([self.listen.agents, self.listen.admin]);
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            let key = |field: &str| format!("tenants[{i}].{field}");
+            if !valid_name(&tenant.name) {
+                problems.push(problem(
+                    key("name"),
+                    format!("{:?} is not a valid name; use 1-63 lowercase letters, digits and '-'", tenant.name),
+                ));
+            } else if !names.insert(tenant.name.clone()) {
+                problems.push(problem(key("name"), format!("tenant {:?} is defined twice", tenant.name)));
+            }
+            if tenant.hosts.is_empty() {
+                problems.push(problem(
+                    key("hosts"),
+                    "list at least one host name its agents connect to, e.g. [acme.tunnel.example.com]",
+                ));
+            }
+            for host in &tenant.hosts {
+                let normal = host.to_ascii_lowercase();
+                if normal.is_empty() || normal.contains(['/', ':', ' ']) {
+                    problems.push(problem(key("hosts"), format!("{host:?} is not a host name (no scheme, port or path)")));
+                } else if !hosts.insert(normal) {
+                    problems.push(problem(key("hosts"), format!("{host:?} is already used by another tenant")));
+                }
+            }
+            let auth = &tenant.auth;
+            if auth.issuer.is_empty() {
+                problems.push(problem(key("auth.issuer"), "set the issuer URL of the tenant's ServiceAccount tokens"));
+            }
+            if auth.audiences.is_empty() || auth.audiences.iter().any(String::is_empty) {
+                problems.push(problem(key("auth.audiences"), "list the audiences agent tokens are minted for, e.g. [tether]"));
+            }
+            if auth.algorithms.is_empty() {
+                problems.push(problem(key("auth.algorithms"), "list at least one algorithm, e.g. [RS256, ES256]"));
+            }
+            for alg in &auth.algorithms {
+                if !SUPPORTED_ALGORITHMS.contains(&alg.as_str()) {
+                    problems.push(problem(
+                        key("auth.algorithms"),
+                        format!("{alg:?} is not accepted; choose from {}", SUPPORTED_ALGORITHMS.join(", ")),
+                    ));
+                }
+            }
+            check_file(&mut problems, &key("auth.jwks_file"), &auth.jwks_file);
+            for subject in &auth.allowed_subjects {
+                if subject.split(':').count() != 4 || !subject.starts_with("system:serviceaccount:") {
+                    problems.push(problem(
+                        key("auth.allowed_subjects"),
+                        format!("{subject:?} is not of the form system:serviceaccount:<namespace>:<name>"),
+                    ));
+                }
+            }
+            let frontend = &tenant.frontend;
+            if frontend.uds.is_none() && frontend.tcp.is_none() {
+                problems.push(problem(
+                    key("frontend"),
+                    "set frontend.uds (a socket path) and/or frontend.tcp.listen so the tenant's kube-apiserver can connect",
+                ));
+            }
+            if let Some(path) = &frontend.uds {
+                if !sockets.insert(path.clone()) {
+                    problems.push(problem(key("frontend.uds"), format!("{} is used by another tenant", path.display())));
+                }
+                if path.as_os_str().len() > 100 {
+                    problems.push(problem(key("frontend.uds"), "socket paths must be shorter than 100 bytes"));
+                }
+            }
+            if let Some(tcp) = &frontend.tcp {
+                if tcp.listen.port() != 0 && !ports.insert(tcp.listen) {
+                    problems.push(problem(key("frontend.tcp.listen"), format!("{} is already used", tcp.listen)));
+                }
+                if let Some(tls) = &tcp.tls {
+                    check_file(&mut problems, &key("frontend.tcp.tls.cert_file"), &tls.cert_file);
+                    check_file(&mut problems, &key("frontend.tcp.tls.key_file"), &tls.key_file);
+                }
+                if let Some(ca) = &tcp.client_ca_file {
+                    if tcp.tls.is_none() {
+                        problems.push(problem(
+                            key("frontend.tcp.client_ca_file"),
+                            "client certificates need TLS; also set frontend.tcp.tls",
+                        ));
+                    }
+                    check_file(&mut problems, &key("frontend.tcp.client_ca_file"), ca);
+                }
+            }
+            if tenant.routing.is_empty() {
+                problems.push(problem(key("routing"), "list at least one of dest_host, default_route, least_loaded"));
+            }
+            let limits = &tenant.limits;
+            for (field, value) in [
+                ("limits.max_agents", limits.max_agents),
+                ("limits.max_streams", limits.max_streams),
+                ("limits.max_pending_dials", limits.max_pending_dials),
+            ] {
+                if value == 0 {
+                    problems.push(problem(key(field), "must be at least 1"));
+                }
+            }
+            if limits.dial_timeout.0 < Duration::from_millis(100) {
+                problems.push(problem(key("limits.dial_timeout"), "must be at least 100ms (default 10s)"));
+            }
+        }
+        problems
+    }
+
+    /// This replica's id: configured, else the host name, else `gateway`.
+    pub fn server_id(&self) -> String {
+        self.server_id
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "gateway".into())
+    }
+}
+
+fn check_file(problems: &mut Vec<ConfigError>, key: &str, path: &Path) {
+    if !path.is_file() {
+        problems.push(problem(key, format!("{} does not exist or is not a file", path.display())));
+    }
+}
+
+/// DNS-label-like names: they end up in metric labels and file names.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(yaml: &str) -> Result<GatewayConfig, String> {
+        let dir = std::env::temp_dir().join(format!("tether-config-test-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("gateway.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        std::fs::write(dir.join("jwks.json"), r#"{"keys":[]}"#).unwrap();
+        let result = GatewayConfig::load(Some(&path)).map_err(|e| format!("{e:#}"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        result
+    }
+
+    fn tenant_yaml(jwks: &str) -> String {
+        format!(
+            "tenants:\n  - name: acme\n    hosts: [acme.example.com]\n    auth:\n      issuer: https://issuer\n      audiences: [tether]\n      jwks_file: {jwks}\n    frontend:\n      uds: /tmp/acme.sock\n"
+        )
+    }
+
+    #[test]
+    fn a_minimal_config_gets_safe_defaults() {
+        let dir = std::env::temp_dir().join(format!("tether-config-min-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let jwks = dir.join("jwks.json");
+        std::fs::write(&jwks, r#"{"keys":[]}"#).unwrap();
+        let path = dir.join("gw.yaml");
+        std::fs::write(&path, tenant_yaml(&jwks.display().to_string())).unwrap();
+        let config = GatewayConfig::load(Some(&path)).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(config.listen.agents.port(), 8443);
+        assert_eq!(config.keepalive.ping_interval.0, Duration::from_secs(20));
+        let tenant = &config.tenants[0];
+        assert_eq!(tenant.auth.algorithms, ["RS256", "ES256"]);
+        assert_eq!(tenant.routing, defaults::routing());
+        assert_eq!(tenant.limits.dial_timeout.0, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn problems_name_the_key_and_the_fix() {
+        let err = parse(
+            "tenants:\n  - name: Acme_Corp\n    hosts: []\n    auth:\n      issuer: ''\n      audiences: []\n      algorithms: [HS256, none]\n      jwks_file: /nonexistent/jwks.json\n    limits:\n      max_agents: 0\n      dial_timeout: 1ms\n",
+        )
+        .unwrap_err();
+        for expected in [
+            "tenants[0].name",
+            "tenants[0].hosts",
+            "tenants[0].auth.issuer",
+            "tenants[0].auth.audiences",
+            "\"HS256\" is not accepted",
+            "\"none\" is not accepted",
+            "tenants[0].auth.jwks_file: /nonexistent/jwks.json does not exist",
+            "tenants[0].frontend",
+            "tenants[0].limits.max_agents: must be at least 1",
+            "tenants[0].limits.dial_timeout",
+        ] {
+            assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+        }
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_types_are_rejected_with_their_key() {
+        let err = parse("listen:\n  agnets: 0.0.0.0:1\n").unwrap_err();
+        assert!(err.contains("agnets"), "{err}");
+        let err = parse("keepalive:\n  ping_interval: soon\n").unwrap_err();
+        assert!(err.contains("ping_interval") || err.contains("soon"), "{err}");
+        let err = parse("listen:\n  admin: not-an-address\n").unwrap_err();
+        assert!(err.contains("admin"), "{err}");
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let err = GatewayConfig::load(Some(Path::new("/nonexistent/gw.yaml"))).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/gw.yaml") && err.contains("not found"), "{err}");
+    }
+}

@@ -1,0 +1,147 @@
+//! The frontends a tenant's kube-apiserver connects to: a Unix socket and/or a TCP port (plain,
+//! TLS, or mutual TLS), each speaking HTTP CONNECT and each bound to exactly one tenant, so a
+//! frontend can only ever reach its own tenant's agents.
+
+pub mod connect;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_tunnel::splice::{Direction, splice};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_rustls::TlsAcceptor;
+
+use crate::dial::dial;
+use crate::metrics::BYTES;
+use crate::server::Shared;
+use crate::target::DialTarget;
+use crate::tenant::Tenant;
+use connect::{ESTABLISHED, error_response, read_request};
+
+/// Serves CONNECT requests on a Unix socket until the gateway starts draining.
+pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<Shared>) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shared.drain_started.cancelled() => break,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let (tenant, shared2) = (tenant.clone(), shared.clone());
+                shared.conn_tasks.spawn(async move { serve_connection(stream, tenant, shared2, "unix socket").await });
+            }
+            Err(e) => accept_failed(&tenant, &e).await,
+        }
+    }
+}
+
+/// Serves CONNECT requests on TCP, with TLS when `tls` is set, until the gateway starts draining.
+pub async fn serve_tcp(listener: TcpListener, tls: Option<TlsAcceptor>, tenant: Arc<Tenant>, shared: Arc<Shared>) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shared.drain_started.cancelled() => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                accept_failed(&tenant, &e).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (tenant, shared2, tls) = (tenant.clone(), shared.clone(), tls.clone());
+        shared.conn_tasks.spawn(async move {
+            let peer = peer.to_string();
+            match tls {
+                None => serve_connection(stream, tenant, shared2, &peer).await,
+                Some(acceptor) => {
+                    let timeout = shared2.config.limits.handshake_timeout.0;
+                    match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(tls_stream)) => serve_connection(tls_stream, tenant, shared2, &peer).await,
+                        Ok(Err(e)) => {
+                            tracing::info!(tenant = %tenant.name, %peer, error = %e, "frontend TLS handshake failed");
+                        }
+                        Err(_) => tracing::info!(tenant = %tenant.name, %peer, "frontend TLS handshake timed out"),
+                    }
+                }
+            }
+        });
+    }
+}
+
+async fn accept_failed(tenant: &Tenant, e: &std::io::Error) {
+    // Out of file descriptors and similar: back off instead of spinning.
+    tracing::warn!(tenant = %tenant.name, error = %e, "frontend accept failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// One CONNECT exchange and, when it succeeds, the tunnelled connection.
+async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, shared: Arc<Shared>, peer: &str)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let request_timeout = shared.config.limits.connect_request_timeout.0;
+    let request = match tokio::time::timeout(request_timeout, read_request(&mut client)).await {
+        Err(_) => {
+            let _ = client.write_all(&error_response(400, "timed out waiting for the CONNECT request")).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(tenant = %tenant.name, %peer, error = %e, "bad CONNECT request");
+            if let Some(status) = e.status() {
+                let _ = client.write_all(&error_response(status, &e.to_string())).await;
+            }
+            return;
+        }
+        Ok(Ok(request)) => request,
+    };
+    if shared.drain_started.is_cancelled() {
+        let _ = client.write_all(&error_response(503, "gateway is shutting down; retry on another replica")).await;
+        return;
+    }
+    let target = match DialTarget::parse(&request.target) {
+        Ok(target) => target,
+        Err(reason) => {
+            let _ = client.write_all(&error_response(400, &reason)).await;
+            return;
+        }
+    };
+    let mut dialed = match dial(&tenant, &target).await {
+        Ok(dialed) => dialed,
+        Err(e) => {
+            tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
+            let _ = client.write_all(&error_response(e.status(), &e.to_string())).await;
+            return;
+        }
+    };
+    if client.write_all(ESTABLISHED).await.is_err() {
+        return;
+    }
+    if !request.early_data.is_empty() && dialed.stream.write_all(&request.early_data).await.is_err() {
+        return;
+    }
+    let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");
+    let from_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "from_agent");
+    to_agent.increment(request.early_data.len() as u64);
+    let copy = splice(&mut client, &mut dialed.stream, |direction, n| match direction {
+        Direction::AToB => to_agent.increment(n as u64),
+        Direction::BToA => from_agent.increment(n as u64),
+    });
+    tokio::select! {
+        result = copy => {
+            if let Err(e) = result {
+                tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.agent.agent_id, error = %e, "tunnelled connection ended with an error");
+            }
+        }
+        () = shared.hard_stop.cancelled() => {
+            tracing::info!(tenant = %tenant.name, %peer, %target, "closing tunnelled connection: drain grace period over");
+        }
+    }
+}
+
+/// Creates a TLS acceptor for a TCP frontend.
+pub fn tls_acceptor(config: rustls::ServerConfig) -> TlsAcceptor {
+    TlsAcceptor::from(Arc::new(config))
+}

@@ -1,0 +1,23 @@
+//! Tether gateway: authenticates agents, keeps a registry of their sessions per tenant, and gives
+//! each tenant's kube-apiserver a Konnectivity-compatible HTTP CONNECT frontend to its nodes.
+//!
+//! Data flows one way: [`agent_endpoint`] (upgrade, auth) -> [`agent_session`] (control stream,
+//! registration) -> [`registry`] (routing) <- [`dial`] <- [`frontend`] (CONNECT from the KAS).
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod agent_endpoint;
+pub mod agent_session;
+pub mod auth;
+pub mod config;
+pub mod dial;
+pub mod frontend;
+pub mod metrics;
+pub mod registry;
+pub mod server;
+pub mod target;
+pub mod tenant;
+
+pub use config::GatewayConfig;
+pub use server::{Gateway, GatewayHandle};

@@ -1,0 +1,40 @@
+//! Metric names and descriptions. Labels are bounded: tenant names, results and reasons from
+//! fixed sets, never one series per agent or per target.
+
+/// Agent sessions connected, by tenant.
+pub const AGENT_SESSIONS: &str = "tether_gateway_agent_sessions";
+/// Agent connection attempts by tenant and result (`ok` or an auth/limit reason).
+pub const AGENT_CONNECTS: &str = "tether_gateway_agent_connects_total";
+/// Tunnelled streams open, by tenant.
+pub const STREAMS_OPEN: &str = "tether_gateway_streams_open";
+/// Dials by tenant and result.
+pub const DIALS: &str = "tether_gateway_dials_total";
+/// Time from CONNECT request to the agent's answer, by tenant.
+pub const DIAL_DURATION: &str = "tether_gateway_dial_duration_seconds";
+/// Bytes tunnelled by tenant and direction (`to_agent`, `from_agent`).
+pub const BYTES: &str = "tether_gateway_bytes_total";
+/// Token refreshes on live sessions by tenant and result.
+pub const TOKEN_REFRESHES: &str = "tether_gateway_token_refreshes_total";
+/// Sessions closed by tenant and reason.
+pub const SESSIONS_CLOSED: &str = "tether_gateway_sessions_closed_total";
+/// 1 while the gateway is draining.
+pub const DRAINING: &str = "tether_gateway_draining";
+/// Build information.
+pub const BUILD_INFO: &str = "tether_gateway_build_info";
+
+/// Registers descriptions so `/metrics` carries HELP lines.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!(AGENT_SESSIONS, "Agent sessions connected.");
+    describe_counter!(AGENT_CONNECTS, "Agent connection attempts by result.");
+    describe_gauge!(STREAMS_OPEN, "Tunnelled streams open.");
+    describe_counter!(DIALS, "Dials by result.");
+    describe_histogram!(DIAL_DURATION, Unit::Seconds, "Time from CONNECT request to the agent's answer.");
+    describe_counter!(BYTES, Unit::Bytes, "Bytes tunnelled by direction.");
+    describe_counter!(TOKEN_REFRESHES, "Token refreshes on live sessions by result.");
+    describe_counter!(SESSIONS_CLOSED, "Agent sessions closed by reason.");
+    describe_gauge!(DRAINING, "1 while the gateway is draining.");
+    describe_gauge!(BUILD_INFO, "Build information.");
+    metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    metrics::gauge!(DRAINING).set(0.0);
+}

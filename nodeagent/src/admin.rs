@@ -1,0 +1,45 @@
+//! The agent's admin endpoint: liveness, readiness (a live session to the gateway) and metrics.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::connection::AgentState;
+
+#[derive(Clone)]
+struct AdminState {
+    agent: Arc<AgentState>,
+    metrics: Option<PrometheusHandle>,
+}
+
+/// The admin routes.
+pub fn router(agent: Arc<AgentState>, metrics: Option<PrometheusHandle>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(render_metrics))
+        .with_state(AdminState { agent, metrics })
+}
+
+async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
+    let live = state.agent.live_sessions();
+    if live > 0 {
+        let servers = state.agent.server_ids().join(", ");
+        (StatusCode::OK, format!("ready: {live} session(s) to {servers}\n"))
+    } else {
+        let reason = state.agent.last_error().unwrap_or_else(|| "connecting".into());
+        (StatusCode::SERVICE_UNAVAILABLE, format!("not connected to the gateway: {reason}\n"))
+    }
+}
+
+async fn render_metrics(State(state): State<AdminState>) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+    let content_type = [("content-type", "text/plain; version=0.0.4; charset=utf-8")];
+    match &state.metrics {
+        Some(handle) => (StatusCode::OK, content_type, handle.render()),
+        None => (StatusCode::NOT_FOUND, content_type, "metrics are not enabled in this process\n".into()),
+    }
+}

@@ -1,0 +1,256 @@
+//! The agent's configuration: one YAML file, every key overridable from the environment
+//! (`TETHER__GATEWAY__URL=wss://...`), validated at start-up with errors that name the key.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use tether_tunnel::duration::HumanDuration;
+use tether_tunnel::telemetry::LogFormat;
+
+use crate::allowlist::PortSpec;
+
+/// The whole agent configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// This agent's id; defaults to `NODE_NAME`, then the host name.
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// How to reach the gateway.
+    pub gateway: GatewayConnection,
+    /// What the agent declares it can reach (used by the gateway to route dials here).
+    #[serde(default)]
+    pub identifiers: IdentifiersConfig,
+    /// What the gateway may dial through this agent. Nothing is allowed unless listed.
+    #[serde(default)]
+    pub allow: Vec<AllowRule>,
+    /// Longest time a dial to a node-side target may take.
+    #[serde(default = "defaults::dial_timeout")]
+    pub dial_timeout: HumanDuration,
+    /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
+    #[serde(default = "defaults::admin")]
+    pub admin_listen: SocketAddr,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// How to reach the gateway.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayConnection {
+    /// `wss://<tenant host>/v1/tunnel`.
+    pub url: String,
+    /// File holding the bearer token (a projected ServiceAccount token); re-read on every
+    /// connect and watched for rotation.
+    pub token_file: PathBuf,
+    /// CA bundle that signs the gateway's (or a TLS-inspecting proxy's) certificate.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Also trust the system's CA roots; defaults to true when no `ca_file` is given.
+    #[serde(default)]
+    pub system_roots: Option<bool>,
+    /// TLS server name (and Host) to use instead of the URL's host.
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// TCP connect limit.
+    #[serde(default = "defaults::connect_timeout")]
+    pub connect_timeout: HumanDuration,
+    /// TLS + WebSocket upgrade + Hello limit.
+    #[serde(default = "defaults::handshake_timeout")]
+    pub handshake_timeout: HumanDuration,
+    /// First reconnect delay ceiling (delays use full jitter).
+    #[serde(default = "defaults::reconnect_initial")]
+    pub reconnect_initial: HumanDuration,
+    /// Largest reconnect delay.
+    #[serde(default = "defaults::reconnect_max")]
+    pub reconnect_max: HumanDuration,
+    /// How often to send a WebSocket ping.
+    #[serde(default = "defaults::ping_interval")]
+    pub ping_interval: HumanDuration,
+    /// Declare the gateway dead after this much silence past a ping interval.
+    #[serde(default = "defaults::ping_timeout")]
+    pub ping_timeout: HumanDuration,
+    /// How often the token file is checked for a rotated token.
+    #[serde(default = "defaults::token_check_interval")]
+    pub token_check_interval: HumanDuration,
+}
+
+/// Identifiers the agent declares.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentifiersConfig {
+    /// Host names (node name, FQDN).
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Addresses (node InternalIP, ...).
+    #[serde(default)]
+    pub addresses: Vec<IpAddr>,
+    /// Networks behind this agent.
+    #[serde(default)]
+    pub cidrs: Vec<IpNet>,
+    /// Offer this agent for dials that match no other agent.
+    #[serde(default)]
+    pub default_route: bool,
+}
+
+/// One allow-list rule: a network and the ports allowed in it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllowRule {
+    /// Network, e.g. `10.0.0.5/32` or `10.0.0.0/8`.
+    pub cidr: IpNet,
+    /// Ports: numbers or ranges like `"30000-32767"`. Empty means no port.
+    pub ports: Vec<PortSpec>,
+}
+
+/// Logging settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// Filter in `RUST_LOG` syntax.
+    #[serde(default = "defaults::log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, level: defaults::log_level() }
+    }
+}
+
+mod defaults {
+    use super::*;
+
+    pub fn dial_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn admin() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 9091))
+    }
+    pub fn connect_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn handshake_timeout() -> HumanDuration {
+        Duration::from_secs(15).into()
+    }
+    pub fn reconnect_initial() -> HumanDuration {
+        Duration::from_secs(1).into()
+    }
+    pub fn reconnect_max() -> HumanDuration {
+        Duration::from_secs(60).into()
+    }
+    pub fn ping_interval() -> HumanDuration {
+        Duration::from_secs(20).into()
+    }
+    pub fn ping_timeout() -> HumanDuration {
+        Duration::from_secs(20).into()
+    }
+    pub fn token_check_interval() -> HumanDuration {
+        Duration::from_secs(30).into()
+    }
+    pub fn log_level() -> String {
+        "info".into()
+    }
+}
+
+impl AgentConfig {
+    /// Loads the file (if any) plus environment overrides, then validates.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        let config: Self = tether_tunnel::settings::load(file)?;
+        let problems = config.validate();
+        if !problems.is_empty() {
+            let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
+            let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
+            anyhow::bail!("invalid configuration in {source}:\n{}", list.join("\n"));
+        }
+        Ok(config)
+    }
+
+    /// Every problem found, as `key: problem and fix`.
+    pub fn validate(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let gw = &self.gateway;
+        match gw.url.parse::<http::Uri>() {
+            Ok(uri) => match tether_tunnel::client::target(&uri) {
+                Ok((_, _, tls)) => {
+                    if !tls && !is_loopback_url(&uri) {
+                        problems.push(
+                            "gateway.url: plain ws:// is only allowed to loopback; use wss://<host>/v1/tunnel".into(),
+                        );
+                    }
+                }
+                Err(e) => problems.push(format!("gateway.url: {e}")),
+            },
+            Err(e) => problems.push(format!("gateway.url: {:?} is not a URL ({e}); use wss://<host>/v1/tunnel", gw.url)),
+        }
+        if !gw.token_file.is_file() {
+            problems.push(format!(
+                "gateway.token_file: {} does not exist; point it at the projected ServiceAccount token",
+                gw.token_file.display()
+            ));
+        }
+        if let Some(ca) = &gw.ca_file {
+            if !ca.is_file() {
+                problems.push(format!("gateway.ca_file: {} does not exist", ca.display()));
+            }
+        }
+        if gw.ca_file.is_none() && gw.system_roots == Some(false) {
+            problems.push("gateway.system_roots: false needs gateway.ca_file, or nothing is trusted".into());
+        }
+        if gw.reconnect_initial.0.is_zero() || gw.reconnect_max.0 < gw.reconnect_initial.0 {
+            problems.push("gateway.reconnect_max: must be at least gateway.reconnect_initial, which must be > 0".into());
+        }
+        if gw.ping_interval.0 < Duration::from_secs(1) || gw.ping_timeout.0 < Duration::from_secs(1) {
+            problems.push("gateway.ping_interval / gateway.ping_timeout: must be at least 1s".into());
+        }
+        if gw.token_check_interval.0 < Duration::from_secs(1) {
+            problems.push("gateway.token_check_interval: must be at least 1s".into());
+        }
+        for (i, rule) in self.allow.iter().enumerate() {
+            if rule.ports.is_empty() {
+                problems.push(format!("allow[{i}].ports: list the ports allowed in {}, e.g. [10250]", rule.cidr));
+            }
+            for port in &rule.ports {
+                if let Err(e) = port.range() {
+                    problems.push(format!("allow[{i}].ports: {e}"));
+                }
+            }
+        }
+        if self.dial_timeout.0 < Duration::from_millis(100) {
+            problems.push("dial_timeout: must be at least 100ms".into());
+        }
+        if let Some(id) = &self.agent_id {
+            if id.is_empty() || id.len() > 253 || !id.chars().all(|c| c.is_ascii_graphic()) {
+                problems.push("agent_id: must be 1-253 printable ASCII characters".into());
+            }
+        }
+        problems
+    }
+
+    /// The agent id: configured, else `NODE_NAME`, else the host name.
+    pub fn agent_id(&self) -> String {
+        self.agent_id
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_owned()))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "agent".into())
+    }
+}
+
+fn is_loopback_url(uri: &http::Uri) -> bool {
+    match uri.host().map(|h| h.trim_start_matches('[').trim_end_matches(']')) {
+        Some("localhost") => true,
+        Some(host) => host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+        None => false,
+    }
+}

@@ -1,0 +1,360 @@
+//! Keeping a session to the gateway: connect (token re-read every time), handshake, serve dial
+//! streams, refresh the token when the file rotates, move on Drain, and reconnect with
+//! exponential backoff and full jitter when anything breaks.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tether_tunnel::backoff::Backoff;
+use tether_tunnel::client::{self, ClientSettings, ConnectError};
+use tether_tunnel::framed::{FrameError, read_frame, write_frame};
+use tether_tunnel::mux::{self, Incoming, MuxSettings, MuxStream, Role, Session};
+use tether_tunnel::protocol::{
+    ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION,
+    StreamOpen, StreamResult, TokenRefresh, Welcome,
+};
+use tokio::io::{AsyncRead, WriteHalf};
+use std::sync::Mutex;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::dialer::{DialPolicy, serve_stream};
+use crate::metrics::{CONNECTS, DRAINS, SESSIONS, TOKEN_REFRESHES};
+
+/// Everything a connection needs, fixed for the agent's life.
+pub struct ConnectionContext {
+    /// How to reach the gateway.
+    pub client: ClientSettings,
+    /// Token file, re-read on every connect.
+    pub token_file: std::path::PathBuf,
+    /// How often the token file is checked for rotation.
+    pub token_check_interval: Duration,
+    /// What the Hello says.
+    pub agent_id: String,
+    /// Identifiers declared in the Hello.
+    pub identifiers: Identifiers,
+    /// Reconnect backoff bounds.
+    pub reconnect: (Duration, Duration),
+    /// Multiplexer tuning.
+    pub mux: MuxSettings,
+    /// Dial policy.
+    pub policy: Arc<DialPolicy>,
+    /// Live state for readiness and diagnostics.
+    pub state: Arc<AgentState>,
+    /// Streams being served (waited for at shutdown).
+    pub tasks: TaskTracker,
+}
+
+/// Live state of the agent, for readiness and tests.
+#[derive(Default)]
+pub struct AgentState {
+    sessions: AtomicUsize,
+    last_error: Mutex<Option<String>>,
+    server_ids: Mutex<Vec<String>>,
+}
+
+impl AgentState {
+    /// Sessions that are up and not draining.
+    pub fn live_sessions(&self) -> usize {
+        self.sessions.load(Ordering::Relaxed)
+    }
+
+    /// The last connection error, for `/readyz`.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    fn set_last_error(&self, error: Option<String>) {
+        if let Ok(mut last) = self.last_error.lock() {
+            *last = error;
+        }
+    }
+
+    /// Gateway replicas with a live session.
+    pub fn server_ids(&self) -> Vec<String> {
+        self.server_ids.lock().map(|ids| ids.clone()).unwrap_or_default()
+    }
+}
+
+/// Why a connection attempt failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EstablishError {
+    /// The token file could not be used.
+    #[error("token file {path}: {reason}")]
+    TokenFile {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The gateway could not be reached or refused the upgrade.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The handshake on the control stream failed.
+    #[error("handshake with the gateway failed: {0}")]
+    Handshake(String),
+}
+
+impl EstablishError {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::TokenFile { .. } => "token_file",
+            Self::Connect(e) if e.is_unauthorized() => "unauthorized",
+            Self::Connect(ConnectError::Rejected { .. }) => "rejected",
+            Self::Connect(ConnectError::Tls { .. }) => "tls",
+            Self::Connect(ConnectError::Timeout { .. }) => "timeout",
+            Self::Connect(ConnectError::Tcp { .. }) => "tcp",
+            Self::Connect(_) => "connect_error",
+            Self::Handshake(_) => "handshake",
+        }
+    }
+}
+
+/// A freshly established session.
+struct Established {
+    session: Session,
+    incoming: Incoming,
+    control: MuxStream,
+    welcome: Welcome,
+    token: String,
+}
+
+enum SessionEnd {
+    Drained,
+    Lost(String),
+    Stopped,
+}
+
+/// Keeps a session to the gateway until `stop` is cancelled.
+pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
+    let (initial, max) = ctx.reconnect;
+    let mut backoff = Backoff::new(initial, max);
+    loop {
+        if stop.is_cancelled() {
+            return;
+        }
+        let delay = match establish(&ctx).await {
+            Ok(established) => {
+                backoff.reset();
+                ctx.state.set_last_error(None);
+                match run_session(&ctx, established, &stop).await {
+                    SessionEnd::Stopped => return,
+                    // The old session finishes in the background; a replacement is wanted now.
+                    SessionEnd::Drained => Duration::from_millis(fastrand::u64(0..500)),
+                    SessionEnd::Lost(reason) => {
+                        tracing::warn!(%reason, "session to the gateway lost; reconnecting");
+                        ctx.state.set_last_error(Some(reason));
+                        backoff.next_delay()
+                    }
+                }
+            }
+            Err(e) => {
+                metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
+                let delay = backoff.next_delay();
+                if matches!(&e, EstablishError::Connect(c) if c.is_unauthorized()) {
+                    tracing::error!(error = %e, retry_in_ms = delay.as_millis() as u64, "the gateway refused this agent's token; check the token file, audience and issuer");
+                } else {
+                    tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in_ms = delay.as_millis() as u64, "cannot connect to the gateway");
+                }
+                ctx.state.set_last_error(Some(e.to_string()));
+                delay
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishError> {
+    let token = read_token(&ctx.token_file).await?;
+    let ws = client::connect(&ctx.client, Some(&token)).await?;
+    let (session, incoming, driver) = mux::start(ws, Role::Client, &ctx.mux);
+    tokio::spawn(driver);
+    let handshake = async {
+        let mut control = session.open().await.map_err(|e| e.to_string())?;
+        let open = StreamOpen::Control(ControlOpen { version: PROTOCOL_VERSION });
+        write_frame(&mut control, &open, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+        let hello = ControlMessage::Hello(Hello {
+            agent_id: ctx.agent_id.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            identifiers: ctx.identifiers.clone(),
+            capabilities: vec![],
+        });
+        write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.map_err(|e| e.to_string())?;
+        let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+        if !result.ok {
+            return Err(format!("gateway refused the Hello: {}", result.message.unwrap_or_default()));
+        }
+        match read_frame::<ControlMessage, _>(&mut control, MAX_CONTROL_FRAME).await {
+            Ok(ControlMessage::Welcome(welcome)) => Ok((control, welcome)),
+            Ok(other) => Err(format!("expected Welcome, got {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    match tokio::time::timeout(ctx.client.handshake_timeout, handshake).await {
+        Ok(Ok((control, welcome))) => Ok(Established { session, incoming, control, welcome, token }),
+        Ok(Err(e)) => {
+            session.close();
+            Err(EstablishError::Handshake(e))
+        }
+        Err(_) => {
+            session.close();
+            Err(EstablishError::Handshake("no Welcome in time".into()))
+        }
+    }
+}
+
+async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, stop: &CancellationToken) -> SessionEnd {
+    let Established { session, mut incoming, control, welcome, mut token } = established;
+    metrics::counter!(CONNECTS, "result" => "ok").increment(1);
+    let _live = LiveSession::new(ctx.state.clone(), welcome.server_id.clone());
+    tracing::info!(server = %welcome.server_id, agent_id = %welcome.agent_id, "connected to the gateway");
+
+    let (control_read, mut control_write) = tokio::io::split(control);
+    let (message_tx, mut messages) = mpsc::channel(16);
+    let reader = tokio::spawn(read_control(control_read, message_tx));
+    let mut token_check = tokio::time::interval(ctx.token_check_interval);
+    token_check.tick().await;
+
+    let end = loop {
+        tokio::select! {
+            stream = incoming.accept() => match stream {
+                Some(stream) => {
+                    ctx.tasks.spawn(serve_stream(stream, ctx.policy.clone()));
+                }
+                None => break SessionEnd::Lost("the session closed".into()),
+            },
+            message = messages.recv() => match message {
+                Some(Ok(ControlMessage::Drain(drain))) => {
+                    metrics::counter!(DRAINS).increment(1);
+                    tracing::info!(server = %welcome.server_id, reason = %drain.reason, deadline_ms = drain.deadline_ms, "gateway asked to move; reconnecting while in-flight streams finish");
+                    let deadline = Duration::from_millis(drain.deadline_ms);
+                    tokio::spawn(finish_draining(session.clone(), incoming, ctx.clone(), deadline));
+                    reader.abort();
+                    return SessionEnd::Drained;
+                }
+                Some(Ok(ControlMessage::TokenRefreshResult(result))) => {
+                    let label = if result.ok { "ok" } else { "refused" };
+                    metrics::counter!(TOKEN_REFRESHES, "result" => label).increment(1);
+                    if result.ok {
+                        tracing::info!(expires_at = result.expires_at, "gateway accepted the refreshed token");
+                    } else {
+                        tracing::error!(reason = result.message.as_deref().unwrap_or_default(), "gateway refused the refreshed token");
+                    }
+                }
+                Some(Ok(other)) => tracing::debug!(?other, "control message ignored"),
+                Some(Err(e)) => break SessionEnd::Lost(format!("control stream failed: {e}")),
+                None => break SessionEnd::Lost("the gateway closed the control stream".into()),
+            },
+            _ = token_check.tick() => {
+                match read_token(&ctx.token_file).await {
+                    Ok(fresh) if fresh != token => {
+                        let refresh = ControlMessage::TokenRefresh(TokenRefresh { token: fresh.clone() });
+                        if let Err(e) = send(&mut control_write, &refresh).await {
+                            break SessionEnd::Lost(format!("cannot send token refresh: {e}"));
+                        }
+                        tracing::info!("token file changed; sent the new token to the gateway");
+                        token = fresh;
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot re-read the token file; keeping the current token"),
+                }
+            }
+            () = stop.cancelled() => {
+                session.close();
+                break SessionEnd::Stopped;
+            }
+        }
+    };
+    reader.abort();
+    session.close();
+    end
+}
+
+/// Serves a drained session's last streams until the deadline, then closes it.
+async fn finish_draining(session: Session, mut incoming: Incoming, ctx: Arc<ConnectionContext>, deadline: Duration) {
+    let until = tokio::time::sleep(deadline);
+    tokio::pin!(until);
+    loop {
+        tokio::select! {
+            stream = incoming.accept() => match stream {
+                Some(stream) => {
+                    ctx.tasks.spawn(serve_stream(stream, ctx.policy.clone()));
+                }
+                None => break,
+            },
+            () = &mut until => break,
+        }
+    }
+    session.close();
+}
+
+async fn read_control<R: AsyncRead + Unpin>(mut reader: R, tx: mpsc::Sender<Result<ControlMessage, FrameError>>) {
+    loop {
+        match read_frame::<ControlMessage, _>(&mut reader, MAX_CONTROL_FRAME).await {
+            Ok(message) => {
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+            Err(FrameError::Eof) => return,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Result<(), FrameError> {
+    write_frame(writer, message, MAX_CONTROL_FRAME).await
+}
+
+/// Reads the bearer token; surrounding whitespace is ignored, an empty file is an error.
+pub async fn read_token(path: &Path) -> Result<String, EstablishError> {
+    let error = |reason: String| EstablishError::TokenFile { path: path.display().to_string(), reason };
+    let text = tokio::fs::read_to_string(path).await.map_err(|e| error(e.to_string()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(error("the file is empty".into()));
+    }
+    if token.len() > 16 * 1024 {
+        return Err(error("the token is larger than 16 KiB".into()));
+    }
+    Ok(token.to_owned())
+}
+
+/// Counts a live session in the agent state and the sessions gauge.
+struct LiveSession {
+    state: Arc<AgentState>,
+    server_id: String,
+}
+
+impl LiveSession {
+    fn new(state: Arc<AgentState>, server_id: String) -> Self {
+        state.sessions.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut ids) = state.server_ids.lock() {
+            ids.push(server_id.clone());
+        }
+        metrics::gauge!(SESSIONS).increment(1.0);
+        Self { state, server_id }
+    }
+}
+
+impl Drop for LiveSession {
+    fn drop(&mut self) {
+        self.state.sessions.fetch_sub(1, Ordering::Relaxed);
+        metrics::gauge!(SESSIONS).decrement(1.0);
+        if let Ok(mut ids) = self.state.server_ids.lock() {
+            if let Some(at) = ids.iter().position(|id| *id == self.server_id) {
+                ids.swap_remove(at);
+            }
+        }
+    }
+}

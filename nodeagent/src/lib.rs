@@ -1,0 +1,143 @@
+//! Tether node agent: dials out to the gateway over WSS (so it passes NAT, firewalls, HTTPS load
+//! balancers and corporate proxies), and serves the dials the gateway sends to node-side targets
+//! within its allow list.
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod allowlist;
+pub mod config;
+pub mod connection;
+pub mod dialer;
+pub mod metrics;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tether_tunnel::client::ClientSettings;
+use tether_tunnel::mux::MuxSettings;
+use tether_tunnel::protocol::Identifiers;
+use tether_tunnel::tls::{self, ALPN_HTTP11, ClientRoots};
+use tether_tunnel::ws::{KeepaliveSettings, WsSettings};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::AgentConfig;
+pub use connection::AgentState;
+use connection::ConnectionContext;
+use dialer::DialPolicy;
+
+/// An agent with its admin listener bound, ready to [`run`](Agent::run).
+pub struct Agent {
+    context: Arc<ConnectionContext>,
+    admin: TcpListener,
+    metrics: Option<PrometheusHandle>,
+    stop: CancellationToken,
+}
+
+impl Agent {
+    /// Builds the TLS client, the dial policy and binds the admin endpoint.
+    pub async fn bind(config: AgentConfig, metrics: Option<PrometheusHandle>) -> anyhow::Result<Self> {
+        let gw = &config.gateway;
+        let url: http::Uri = gw.url.parse().context("gateway.url")?;
+        let (_, _, uses_tls) = tether_tunnel::client::target(&url)?;
+        let tls_config = if uses_tls {
+            let roots = ClientRoots {
+                ca_file: gw.ca_file.clone(),
+                system_roots: gw.system_roots.unwrap_or(gw.ca_file.is_none()),
+            };
+            Some(Arc::new(tls::client_config(&roots, None, &[ALPN_HTTP11]).context("gateway.ca_file")?))
+        } else {
+            None
+        };
+        let allow = allowlist::AllowList::new(&config.allow);
+        if allow.is_empty() {
+            tracing::warn!("the allow list is empty: every dial from the gateway will be refused");
+        }
+        let client = ClientSettings {
+            url,
+            tls: tls_config,
+            tls_server_name: gw.server_name.clone(),
+            connect_timeout: gw.connect_timeout.0,
+            handshake_timeout: gw.handshake_timeout.0,
+            ws: WsSettings {
+                keepalive: Some(KeepaliveSettings { ping_interval: gw.ping_interval.0, ping_timeout: gw.ping_timeout.0 }),
+                ..WsSettings::default()
+            },
+            user_agent: format!("tether-agent/{}", env!("CARGO_PKG_VERSION")),
+        };
+        let ids = &config.identifiers;
+        let agent_id = config.agent_id();
+        let mut hosts = ids.hosts.clone();
+        if !hosts.iter().any(|h| h.eq_ignore_ascii_case(&agent_id)) {
+            hosts.push(agent_id.clone());
+        }
+        let context = Arc::new(ConnectionContext {
+            client,
+            token_file: gw.token_file.clone(),
+            token_check_interval: gw.token_check_interval.0,
+            agent_id,
+            identifiers: Identifiers {
+                hosts,
+                addresses: ids.addresses.clone(),
+                cidrs: ids.cidrs.iter().map(ToString::to_string).collect(),
+                default_route: ids.default_route,
+            },
+            reconnect: (gw.reconnect_initial.0, gw.reconnect_max.0),
+            mux: MuxSettings::default(),
+            policy: Arc::new(DialPolicy { allow, max_timeout: config.dial_timeout.0 }),
+            state: Arc::new(AgentState::default()),
+            tasks: TaskTracker::new(),
+        });
+        let admin = TcpListener::bind(config.admin_listen)
+            .await
+            .with_context(|| format!("admin_listen: cannot listen on {}", config.admin_listen))?;
+        Ok(Self { context, admin, metrics, stop: CancellationToken::new() })
+    }
+
+    /// The admin endpoint's address.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.local_addr().ok()
+    }
+
+    /// Live state (sessions, last error).
+    pub fn state(&self) -> Arc<AgentState> {
+        self.context.state.clone()
+    }
+
+    /// A token that stops the agent when cancelled.
+    pub fn stop_token(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
+    /// Runs until `shutdown` resolves or the stop token is cancelled; open streams get a few
+    /// seconds to finish.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let Self { context, admin, metrics, stop } = self;
+        crate::metrics::describe();
+        let router = admin::router(context.state.clone(), metrics);
+        let admin_stop = stop.clone();
+        let admin_task = tokio::spawn(async move {
+            let served = axum::serve(admin, router).with_graceful_shutdown(admin_stop.cancelled_owned());
+            if let Err(e) = served.await {
+                tracing::error!(error = %e, "admin endpoint failed");
+            }
+        });
+        let connection = tokio::spawn(connection::maintain(context.clone(), stop.clone()));
+        tokio::select! {
+            () = shutdown => stop.cancel(),
+            () = stop.cancelled() => {}
+        }
+        let _ = connection.await;
+        context.tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(5), context.tasks.wait()).await;
+        let _ = admin_task.await;
+        tracing::info!("agent stopped");
+        Ok(())
+    }
+}

@@ -1,0 +1,76 @@
+//! `tether-agent`: see the crate documentation and README.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Parser;
+use tether_agent::{Agent, AgentConfig};
+use tether_tunnel::telemetry::{self, LogFormat};
+use tokio::signal::unix::{SignalKind, signal};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Tether node agent: dials out to the gateway over WSS and serves its dials to node-side targets.
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    /// YAML configuration file. Every key can be overridden as TETHER__SECTION__KEY.
+    #[arg(long, short, env = "TETHER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Validate the configuration (files included) and exit.
+    #[arg(long)]
+    check_config: bool,
+    /// Log format (overrides log.format).
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
+    /// Log filter, e.g. info or tether_agent=debug (overrides log.level).
+    #[arg(long)]
+    log_level: Option<String>,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let config = match AgentConfig::load(cli.config.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("tether-agent: {e:#}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if cli.check_config {
+        println!("configuration OK: agent {} -> {}", config.agent_id(), config.gateway.url);
+        return std::process::ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tether-agent: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli, config)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tether-agent: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli, config: AgentConfig) -> anyhow::Result<()> {
+    let format = cli.log_format.unwrap_or(config.log.format);
+    let level = cli.log_level.clone().unwrap_or_else(|| config.log.level.clone());
+    telemetry::init_logging(format, &level).map_err(anyhow::Error::msg)?;
+    tether_tunnel::tls::install_default_provider();
+    let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
+    let agent = Agent::bind(config, Some(metrics)).await?;
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = terminate.recv() => tracing::info!("SIGTERM received"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
+        }
+    };
+    agent.run(shutdown).await
+}

@@ -1,0 +1,22 @@
+//! Tether's shared tunnel library.
+//!
+//! Layers, bottom up: [`transport`] (TCP or TLS), [`ws`] (WebSocket as a byte stream, with
+//! keepalive), [`mux`] (independent flow-controlled streams), [`protocol`] and [`framed`] (the
+//! frames that open each stream and the control messages), [`splice`] (moving bytes between a
+//! stream and a socket). [`client`] dials a gateway through all of them; [`tls`], [`backoff`],
+//! [`duration`], [`settings`] and [`telemetry`] are shared plumbing. No gateway or agent policy lives here.
+
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod client;
+pub mod duration;
+pub mod framed;
+pub mod mux;
+pub mod protocol;
+pub mod settings;
+pub mod splice;
+pub mod telemetry;
+pub mod tls;
+pub mod transport;
+pub mod ws;

@@ -1,0 +1,43 @@
+//! Loading a YAML configuration file with environment overrides (`TETHER__SECTION__KEY`).
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+
+/// Why the configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// The file could not be read or parsed, or a value has the wrong type.
+    #[error("configuration {}: {reason}", path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "(environment only)".into()))]
+    Load {
+        /// The file, if one was given.
+        path: Option<PathBuf>,
+        /// What is wrong, naming the key.
+        reason: String,
+    },
+}
+
+/// Reads `file` (YAML) and then the environment: `TETHER__A__B=value` overrides key `a.b`.
+///
+/// Unknown keys are rejected by the target type (`deny_unknown_fields`), so typos fail loudly.
+pub fn load<T: DeserializeOwned>(file: Option<&Path>) -> Result<T, SettingsError> {
+    let error = |reason: String| SettingsError::Load { path: file.map(Path::to_owned), reason };
+    let mut builder = config::Config::builder();
+    if let Some(path) = file {
+        if !path.exists() {
+            return Err(error("file not found; pass an existing file with --config".into()));
+        }
+        builder = builder.add_source(config::File::from(path).format(config::FileFormat::Yaml).required(true));
+    }
+    builder = builder.add_source(
+        config::Environment::with_prefix("TETHER")
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("tenants")
+            .ignore_empty(true),
+    );
+    let merged = builder.build().map_err(|e| error(e.to_string()))?;
+    merged.try_deserialize().map_err(|e| error(e.to_string()))
+}

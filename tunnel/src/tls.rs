@@ -1,0 +1,211 @@
+//! TLS helpers: rustls with the aws-lc-rs provider, PEM loading with errors that name the file,
+//! a server certificate that can be reloaded without a restart, and client configurations.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rustls::crypto::CryptoProvider;
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// ALPN protocol id for HTTP/1.1; WebSocket upgrades need HTTP/1.1, so ingresses must not pick h2.
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+
+/// What went wrong setting up TLS; always names the file involved.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A PEM file could not be read or parsed.
+    #[error("cannot read {what} from {path}: {reason}")]
+    Pem {
+        /// What was expected in the file.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it failed.
+        reason: String,
+    },
+    /// The certificate and key do not form a usable pair.
+    #[error("certificate {cert} with key {key} is unusable: {reason}")]
+    KeyPair {
+        /// Certificate file.
+        cert: PathBuf,
+        /// Key file.
+        key: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// rustls refused the configuration.
+    #[error("TLS configuration error: {0}")]
+    Config(String),
+}
+
+/// The crypto provider used everywhere: aws-lc-rs.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+/// Installs aws-lc-rs as the process default provider (harmless if already installed).
+pub fn install_default_provider() {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+}
+
+/// Reads every certificate in a PEM file.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem_error = |reason: String| TlsError::Pem { what: "certificates", path: path.to_owned(), reason };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| pem_error(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(pem_error("no CERTIFICATE block found".into()));
+    }
+    Ok(certs)
+}
+
+/// Reads the first private key (PKCS#8, PKCS#1 or SEC1) in a PEM file.
+pub fn load_private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Pem {
+        what: "a private key",
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Builds a root store from a PEM bundle.
+pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for cert in load_certs(path)? {
+        roots.add(cert).map_err(|e| TlsError::Pem {
+            what: "CA certificates",
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+    }
+    Ok(roots)
+}
+
+/// A server certificate and key read from files, swappable at run time (certificate rotation).
+pub struct ReloadableCert {
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    current: ArcSwap<CertifiedKey>,
+}
+
+impl fmt::Debug for ReloadableCert {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReloadableCert").field("cert", &self.cert_path).field("key", &self.key_path).finish()
+    }
+}
+
+impl ReloadableCert {
+    /// Loads the pair once; fails if either file is missing or they do not match.
+    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Arc<Self>, TlsError> {
+        let key = certified_key(cert_path, key_path)?;
+        Ok(Arc::new(Self {
+            cert_path: cert_path.to_owned(),
+            key_path: key_path.to_owned(),
+            current: ArcSwap::from_pointee(key),
+        }))
+    }
+
+    /// Re-reads the files; on error the previous certificate stays in use.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let key = certified_key(&self.cert_path, &self.key_path)?;
+        self.current.store(Arc::new(key));
+        Ok(())
+    }
+
+    /// The certificate chain now in use.
+    pub fn chain(&self) -> Vec<CertificateDer<'static>> {
+        self.current.load().cert.clone()
+    }
+}
+
+impl ResolvesServerCert for ReloadableCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.load_full())
+    }
+}
+
+fn certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
+    let certs = load_certs(cert_path)?;
+    let key = load_private_key(key_path)?;
+    let key_pair_error =
+        |reason: String| TlsError::KeyPair { cert: cert_path.to_owned(), key: key_path.to_owned(), reason };
+    let certified = CertifiedKey::from_der(certs, key, &provider()).map_err(|e| key_pair_error(e.to_string()))?;
+    Ok(certified)
+}
+
+/// A server configuration with the given certificate source; with `client_ca`, clients must
+/// present a certificate signed by it (mutual TLS).
+pub fn server_config(
+    cert: Arc<dyn ResolvesServerCert>,
+    client_ca: Option<&Path>,
+    alpn: &[&[u8]],
+) -> Result<ServerConfig, TlsError> {
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?;
+    let builder = match client_ca {
+        Some(ca) => {
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(load_roots(ca)?), provider())
+                .build()
+                .map_err(|e| TlsError::Config(format!("client CA {}: {e}", ca.display())))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(cert);
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// Where a client takes its trusted roots from.
+#[derive(Debug, Clone, Default)]
+pub struct ClientRoots {
+    /// A PEM bundle of CAs to trust.
+    pub ca_file: Option<PathBuf>,
+    /// Also trust the operating system's roots (on top of `ca_file`, or alone).
+    pub system_roots: bool,
+}
+
+/// A client configuration trusting `roots`, optionally presenting a client certificate.
+pub fn client_config(
+    roots: &ClientRoots,
+    client_cert: Option<(&Path, &Path)>,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, TlsError> {
+    let mut store = RootCertStore::empty();
+    if let Some(ca) = &roots.ca_file {
+        store = load_roots(ca)?;
+    }
+    if roots.system_roots {
+        let native = rustls_native_certs::load_native_certs();
+        for cert in native.certs {
+            // Individual unusable system certificates are skipped, as browsers and curl do.
+            let _ = store.add(cert);
+        }
+    }
+    if store.is_empty() {
+        return Err(TlsError::Config(
+            "no trusted CA certificates: set a CA bundle file or enable the system roots".into(),
+        ));
+    }
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_root_certificates(store);
+    let mut config = match client_cert {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(load_certs(cert)?, load_private_key(key)?)
+            .map_err(|e| TlsError::KeyPair { cert: cert.to_owned(), key: key.to_owned(), reason: e.to_string() })?,
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
