@@ -359,7 +359,7 @@ impl GatewayConfig {
         if !(1024..=1024 * 1024).contains(&self.limits.ws_read_buffer_size) {
             problems.push(problem("limits.ws_read_buffer_size", "must be between 1024 and 1048576 bytes"));
         }
-        if self.listen.agents == self.listen.admin {
+        if self.listen.agents == self.listen.admin && self.listen.agents.port() != 0 {
             problems.push(problem("listen.admin", "must differ from listen.agents"));
         }
         if let Some(tls) = &self.tls {

@@ -211,9 +211,10 @@ where
             result = io => result,
             () = close_requested.cancelled() => Ok(()),
         };
-        if close_requested.is_cancelled() {
-            let _ = poll_fn(|cx| connection.poll_close(cx)).await;
-        }
+        // The connection is dropped while active rather than closed gracefully: yamux's graceful
+        // close leaves open streams waiting forever, while dropping marks every stream closed and
+        // wakes it (reads see end-of-stream, writes fail). The peer sees the transport end.
+        drop(connection);
         shared.closed.cancel();
         result
     };

@@ -1,0 +1,4 @@
+//! The test suite: in-process integration tests and end-to-end tests with the real binaries.
+
+mod support;
+mod tunnel;

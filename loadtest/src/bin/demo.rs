@@ -1,0 +1,2 @@
+//! `tether-demo`: placeholder.
+fn main() {}

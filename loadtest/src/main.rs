@@ -1,0 +1,2 @@
+//! `tether-loadtest`: placeholder until the scenarios land.
+fn main() {}
