@@ -284,6 +284,53 @@ impl LocalDeployment {
         }
     }
 
+    /// Client settings that reach this deployment's gateway, for tests that speak the protocol
+    /// themselves.
+    pub fn client_settings(&self) -> anyhow::Result<tether_tunnel::client::ClientSettings> {
+        let scheme = if self.tls { "wss" } else { "ws" };
+        let roots = tether_tunnel::tls::ClientRoots { ca_file: Some(self.ca.ca_cert.clone()), system_roots: false };
+        let tls = tether_tunnel::tls::client_config(&roots, None, &[tether_tunnel::tls::ALPN_HTTP11])?;
+        Ok(tether_tunnel::client::ClientSettings {
+            url: format!("{scheme}://{}/v1/tunnel", self.agent_addr).parse()?,
+            tls: Some(Arc::new(tls)),
+            tls_server_name: Some(self.options_host.clone()),
+            connect_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            ws: tether_tunnel::ws::WsSettings::default(),
+            user_agent: "tether-test".into(),
+        })
+    }
+
+    /// Stops the gateway (drain included) and starts a new one on the same addresses.
+    pub async fn restart_gateway(&mut self) -> anyhow::Result<()> {
+        self.stop_gateway().await;
+        self.start_gateway_again().await
+    }
+
+    /// Drains and stops the gateway, leaving the agents running.
+    pub async fn stop_gateway(&mut self) {
+        self.gateway.shutdown();
+        if let Some(task) = self.gateway_task.take() {
+            let _ = task.await;
+        }
+    }
+
+    /// Starts a stopped gateway again on the addresses it had.
+    pub async fn start_gateway_again(&mut self) -> anyhow::Result<()> {
+        let mut config = self.gateway_config.clone();
+        config.listen.agents = self.agent_addr;
+        config.listen.admin = self.admin_addr;
+        for tenant in &mut config.tenants {
+            if let Some(tcp) = tenant.frontend.tcp.as_mut() {
+                tcp.listen = self.frontend_addr;
+            }
+        }
+        let gateway = Gateway::bind(config, tether_tunnel::telemetry::install_metrics().ok()).await?;
+        self.gateway = gateway.handle();
+        self.gateway_task = Some(tokio::spawn(gateway.run(std::future::pending())));
+        Ok(())
+    }
+
     /// Stops agents, then drains and stops the gateway.
     pub async fn shutdown(mut self) {
         for agent in self.agents.drain(..) {

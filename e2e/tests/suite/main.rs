@@ -1,4 +1,6 @@
 //! The test suite: in-process integration tests and end-to-end tests with the real binaries.
 
+mod auth;
+mod resilience;
 mod support;
 mod tunnel;

@@ -1,0 +1,69 @@
+//! Agent authentication at the gateway: a bad token gets 401 before any upgrade.
+
+use std::time::Duration;
+
+use tether_loadtest::devpki::{DevIssuer, IssuerKey, now};
+use tether_loadtest::local::{AUDIENCE, LocalDeployment, LocalOptions};
+use tether_tunnel::client::{self, ConnectError};
+
+async fn deployment() -> LocalDeployment {
+    LocalDeployment::start(LocalOptions::default()).await.unwrap()
+}
+
+async fn status_for(deployment: &LocalDeployment, token: Option<&str>) -> Result<(), (u16, String)> {
+    let settings = deployment.client_settings().unwrap();
+    match client::connect(&settings, token).await {
+        Ok(_) => Ok(()),
+        Err(ConnectError::Rejected { status, reason }) => Err((status, reason)),
+        Err(other) => panic!("expected an HTTP answer, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_valid_token_is_upgraded() {
+    let d = deployment().await;
+    let token = d.issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    assert_eq!(status_for(&d, Some(&token)).await, Ok(()));
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tokens_get_401_and_no_upgrade() {
+    let d = deployment().await;
+    let issuer = &d.issuer;
+    let mut expired = issuer.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+    expired.exp = now() - 3600;
+    expired.iat = now() - 7200;
+    expired.nbf = now() - 7200;
+    let mut wrong_audience = issuer.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+    wrong_audience.aud = vec!["kubernetes".into()];
+    let mut wrong_issuer = issuer.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+    wrong_issuer.iss = "https://evil.example.com".into();
+    let stranger = DevIssuer::create(d.dir.path(), "stranger", &issuer.issuer, IssuerKey::Es256).unwrap();
+    let mut forged = stranger.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+    forged.iss = issuer.issuer.clone();
+    let good = issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    let mut tampered = good.clone();
+    tampered.replace_range(tampered.len() - 4.., "AAAA");
+
+    let cases: Vec<(&str, Option<String>, &str)> = vec![
+        ("missing", None, "no bearer token"),
+        ("garbage", Some("not-a-jwt".into()), "malformed"),
+        ("expired", Some(issuer.sign(&expired).unwrap()), "expired"),
+        ("wrong audience", Some(issuer.sign(&wrong_audience).unwrap()), "audience"),
+        ("wrong issuer", Some(issuer.sign(&wrong_issuer).unwrap()), "issuer"),
+        // Signed by another key under our issuer's name (and a kid the gateway does not know).
+        ("wrongly signed", Some(stranger.sign(&forged).unwrap()), "unknown signing key"),
+        ("tampered signature", Some(tampered), "signature"),
+        ("oversized", Some("a".repeat(20_000)), "too large"),
+    ];
+    for (name, token, expected) in cases {
+        let (status, reason) = status_for(&d, token.as_deref()).await.expect_err(name);
+        assert_eq!(status, 401, "{name}: {reason}");
+        assert!(reason.contains(expected), "{name}: reason {reason:?} should mention {expected:?}");
+        if let Some(token) = &token {
+            assert!(!reason.contains(token.as_str()), "{name}: the answer must not echo the token");
+        }
+    }
+    d.shutdown().await;
+}

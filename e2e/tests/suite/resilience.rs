@@ -1,0 +1,129 @@
+//! The gateway and agent survive restarts and bad input.
+
+use std::time::Duration;
+
+use tether_loadtest::connect_client::connect_tcp;
+use tether_loadtest::local::AUDIENCE;
+use tether_tunnel::client;
+use tether_tunnel::framed::{read_frame, write_frame};
+use tether_tunnel::mux::{self, MuxSettings, Role};
+use tether_tunnel::protocol::{
+    ControlMessage, ControlOpen, ErrorCode, ForwardRequest, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME,
+    StreamOpen, StreamResult,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::one_agent_echo;
+
+async fn echo_roundtrip(frontend: std::net::SocketAddr, echo: std::net::SocketAddr) -> Result<(), String> {
+    let mut tunnel = connect_tcp(frontend, &echo.to_string())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    tunnel.write_all(b"ping").await.map_err(|e| e.to_string())?;
+    let mut got = [0u8; 4];
+    tunnel.read_exact(&mut got).await.map_err(|e| e.to_string())?;
+    if &got == b"ping" { Ok(()) } else { Err(format!("got {got:?}")) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_reconnect_after_a_gateway_restart_and_dials_work_again() {
+    let (mut deployment, echo) = one_agent_echo().await;
+    echo_roundtrip(deployment.frontend_addr, echo).await.unwrap();
+    deployment.stop_gateway().await;
+    // While the gateway is down the agent is not ready and keeps retrying with backoff.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(deployment.agents[0].state.live_sessions(), 0);
+    deployment.start_gateway_again().await.unwrap();
+    deployment.wait_connected(Duration::from_secs(15)).await.unwrap();
+    echo_roundtrip(deployment.frontend_addr, echo).await.unwrap();
+    deployment.shutdown().await;
+}
+
+/// Speaks the protocol like an agent, up to the Welcome.
+async fn raw_agent(
+    deployment: &tether_loadtest::local::LocalDeployment,
+) -> (mux::Session, mux::Incoming, tether_tunnel::mux::MuxStream) {
+    let settings = deployment.client_settings().unwrap();
+    let token = deployment
+        .issuer
+        .service_account_token("kube-system", "raw", AUDIENCE, Duration::from_secs(600), None)
+        .unwrap();
+    let ws = client::connect(&settings, Some(&token)).await.unwrap();
+    let (session, incoming, driver) = mux::start(ws, Role::Client, &MuxSettings::default());
+    tokio::spawn(driver);
+    let mut control = session.open().await.unwrap();
+    write_frame(&mut control, &StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME).await.unwrap();
+    let hello = ControlMessage::Hello(Hello {
+        agent_id: "raw".into(),
+        version: "test".into(),
+        identifiers: Identifiers::default(),
+        capabilities: vec![],
+    });
+    write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.unwrap();
+    let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.unwrap();
+    assert!(result.ok);
+    let welcome: ControlMessage = read_frame(&mut control, MAX_CONTROL_FRAME).await.unwrap();
+    assert!(matches!(welcome, ControlMessage::Welcome(_)));
+    (session, incoming, control)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_stream_header_resets_one_stream_and_the_session_lives() {
+    let (deployment, echo) = one_agent_echo().await;
+    let (session, _incoming, _control) = raw_agent(&deployment).await;
+
+    let mut bad = session.open().await.unwrap();
+    bad.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+    bad.write_all(b"{\"kind\":").await.unwrap();
+    let mut rest = Vec::new();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), bad.read_to_end(&mut rest)).await.unwrap();
+    assert!(outcome.is_err() || rest.is_empty(), "the oversized stream gets no answer, only a reset");
+
+    // The same session still answers a well-formed stream: forwarding is denied by default.
+    let mut good = session.open().await.unwrap();
+    write_frame(&mut good, &StreamOpen::Forward(ForwardRequest { target: "kube-apiserver".into() }), MAX_STREAM_FRAME)
+        .await
+        .unwrap();
+    let answer: StreamResult = read_frame(&mut good, MAX_STREAM_FRAME).await.unwrap();
+    assert_eq!(answer.code, Some(ErrorCode::NotAllowed));
+    assert!(!session.is_closed());
+    echo_roundtrip(deployment.frontend_addr, echo).await.unwrap();
+    deployment.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_closes_one_session_never_the_process() {
+    let (deployment, echo) = one_agent_echo().await;
+    let settings = deployment.client_settings().unwrap();
+    let token = deployment
+        .issuer
+        .service_account_token("kube-system", "raw", AUDIENCE, Duration::from_secs(600), None)
+        .unwrap();
+
+    // Not a multiplexer frame at all: the gateway closes this session.
+    let mut ws = client::connect(&settings, Some(&token)).await.unwrap();
+    let garbage: Vec<u8> = (0..4096).map(|_| fastrand::u8(..)).collect();
+    ws.write_all(&garbage).await.unwrap();
+    ws.flush().await.unwrap();
+    let mut sink = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), ws.read_to_end(&mut sink)).await;
+    assert!(ended.is_ok(), "the gateway must close a session that sends garbage");
+
+    // Garbage on the agent port outside any WebSocket.
+    let mut raw = tokio::net::TcpStream::connect(deployment.agent_addr).await.unwrap();
+    raw.write_all(b"\x00\x01\x02 this is not TLS\r\n\r\n").await.unwrap();
+    let mut sink = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), raw.read_to_end(&mut sink)).await.unwrap();
+
+    // Garbage on the CONNECT frontend.
+    let mut raw = tokio::net::TcpStream::connect(deployment.frontend_addr).await.unwrap();
+    raw.write_all(b"\x16\x03\x01garbage\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    let _ = raw.read_to_string(&mut answer).await;
+    assert!(answer.starts_with("HTTP/1.1 400 "), "{answer:?}");
+
+    // Everyone else is unaffected.
+    echo_roundtrip(deployment.frontend_addr, echo).await.unwrap();
+    deployment.shutdown().await;
+}
