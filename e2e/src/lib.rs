@@ -2,5 +2,6 @@
 
 #![forbid(unsafe_code)]
 
-pub mod proc;
+pub mod bins;
 pub mod checksum;
+pub mod proc;

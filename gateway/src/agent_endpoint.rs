@@ -68,9 +68,7 @@ fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> Http
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
             tracing::info!(tenant = %tenant.name, peer = %conn.peer, reason = %e, "agent refused: bad token");
             let mut response = text(StatusCode::UNAUTHORIZED, &format!("unauthorized: {e}"));
-            response
-                .headers_mut()
-                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer error=\"invalid_token\""));
+            response.headers_mut().insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer error=\"invalid_token\""));
             return response;
         }
     };
@@ -133,7 +131,9 @@ fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Ar
             StatusCode::MISDIRECTED_REQUEST,
             &format!("Host {} does not match TLS server name {sni}", printable(host)),
         )),
-        (Some((sni, None)), _) => Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni)))),
+        (Some((sni, None)), _) => {
+            Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni))))
+        }
         (None, Some((host, None))) => {
             Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host))))
         }
@@ -194,9 +194,7 @@ fn retry_later(reason: &str) -> HttpResponse {
 fn text(status: StatusCode, body: &str) -> HttpResponse {
     let mut response = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     response
 }
 

@@ -389,7 +389,8 @@ impl GatewayConfig {
             for host in &tenant.hosts {
                 let normal = host.to_ascii_lowercase();
                 if normal.is_empty() || normal.contains(['/', ':', ' ']) {
-                    problems.push(problem(key("hosts"), format!("{host:?} is not a host name (no scheme, port or path)")));
+                    problems
+                        .push(problem(key("hosts"), format!("{host:?} is not a host name (no scheme, port or path)")));
                 } else if !hosts.insert(normal) {
                     problems.push(problem(key("hosts"), format!("{host:?} is already used by another tenant")));
                 }
@@ -399,7 +400,10 @@ impl GatewayConfig {
                 problems.push(problem(key("auth.issuer"), "set the issuer URL of the tenant's ServiceAccount tokens"));
             }
             if auth.audiences.is_empty() || auth.audiences.iter().any(String::is_empty) {
-                problems.push(problem(key("auth.audiences"), "list the audiences agent tokens are minted for, e.g. [tether]"));
+                problems.push(problem(
+                    key("auth.audiences"),
+                    "list the audiences agent tokens are minted for, e.g. [tether]",
+                ));
             }
             if auth.algorithms.is_empty() {
                 problems.push(problem(key("auth.algorithms"), "list at least one algorithm, e.g. [RS256, ES256]"));
@@ -430,7 +434,8 @@ impl GatewayConfig {
             }
             if let Some(path) = &frontend.uds {
                 if !sockets.insert(path.clone()) {
-                    problems.push(problem(key("frontend.uds"), format!("{} is used by another tenant", path.display())));
+                    problems
+                        .push(problem(key("frontend.uds"), format!("{} is used by another tenant", path.display())));
                 }
                 if path.as_os_str().len() > 100 {
                     problems.push(problem(key("frontend.uds"), "socket paths must be shorter than 100 bytes"));

@@ -120,12 +120,10 @@ pub async fn dial(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialEr
 
 async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
     let limits = &tenant.config.limits;
-    let permit = tenant
-        .streams
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| DialError::TooManyStreams(limits.max_streams))?;
-    let _pending = tenant.pending_dials.try_acquire().map_err(|_| DialError::TooManyPending(limits.max_pending_dials))?;
+    let permit =
+        tenant.streams.clone().try_acquire_owned().map_err(|_| DialError::TooManyStreams(limits.max_streams))?;
+    let _pending =
+        tenant.pending_dials.try_acquire().map_err(|_| DialError::TooManyPending(limits.max_pending_dials))?;
     let request_id = REQUEST_IDS.fetch_add(1, Ordering::Relaxed);
     let timeout = limits.dial_timeout.0;
     let request = StreamOpen::Dial(DialRequest {
@@ -147,7 +145,13 @@ async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, Dial
             Err(_) => return Err(DialError::Timeout(timeout)),
             Ok(Ok(stream)) => {
                 tracing::debug!(tenant = %tenant.name, %target, request_id, agent = %agent.agent_id, "dial established");
-                return Ok(Dialed { stream, agent, _load: load, _permit: permit, _open: OpenStreamGauge::new(&tenant.name) });
+                return Ok(Dialed {
+                    stream,
+                    agent,
+                    _load: load,
+                    _permit: permit,
+                    _open: OpenStreamGauge::new(&tenant.name),
+                });
             }
             Ok(Err(AttemptError::Answer(result))) => {
                 let code = result.code.unwrap_or(ErrorCode::Other);

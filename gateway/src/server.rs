@@ -132,7 +132,8 @@ impl Gateway {
                 let listener = bind_tcp(tcp.listen).await.with_context(|| key("tcp.listen"))?;
                 let acceptor = match &tcp.tls {
                     Some(files) => {
-                        let cert = ReloadableCert::load(&files.cert_file, &files.key_file).with_context(|| key("tcp.tls"))?;
+                        let cert =
+                            ReloadableCert::load(&files.cert_file, &files.key_file).with_context(|| key("tcp.tls"))?;
                         let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), &[])
                             .with_context(|| key("tcp.client_ca_file"))?;
                         Some(frontend::tls_acceptor(server))

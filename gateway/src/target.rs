@@ -86,7 +86,19 @@ mod tests {
 
     #[test]
     fn refuses_what_is_not_host_port() {
-        for bad in ["", "host", "host:", ":80", "host:0", "host:70000", "fd00::1:80", "[fd00::1]80", "a b:1", "x..y:1", "[nothex]:1"] {
+        for bad in [
+            "",
+            "host",
+            "host:",
+            ":80",
+            "host:0",
+            "host:70000",
+            "fd00::1:80",
+            "[fd00::1]80",
+            "a b:1",
+            "x..y:1",
+            "[nothex]:1",
+        ] {
             assert!(DialTarget::parse(bad).is_err(), "{bad:?}");
         }
     }

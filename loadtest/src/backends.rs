@@ -29,11 +29,8 @@ pub fn spawn_http(listener: TcpListener, name: String) -> JoinHandle<()> {
                     Ok(n) => head.extend_from_slice(&buf[..n]),
                 }
             }
-            let path = std::str::from_utf8(&head)
-                .ok()
-                .and_then(|h| h.split_whitespace().nth(1))
-                .unwrap_or("/")
-                .to_owned();
+            let path =
+                std::str::from_utf8(&head).ok().and_then(|h| h.split_whitespace().nth(1)).unwrap_or("/").to_owned();
             let body = format!("hello from {name}: you asked for {path}\n");
             let response = format!(
                 "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",

@@ -7,7 +7,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use jsonwebtoken::jwk::{Jwk, JwkSet};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose,
+};
 use serde::Serialize;
 
 /// A certificate and key written to PEM files.
@@ -34,7 +37,8 @@ impl DevCa {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        params.key_usages =
+            vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
         let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
         let ca_cert = dir.join(format!("{name}-ca.crt"));
         std::fs::write(&ca_cert, issuer.pem())?;
@@ -58,7 +62,8 @@ impl DevCa {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
-        let pair = PemPair { cert: self.dir.join(format!("{file_stem}.crt")), key: self.dir.join(format!("{file_stem}.key")) };
+        let pair =
+            PemPair { cert: self.dir.join(format!("{file_stem}.crt")), key: self.dir.join(format!("{file_stem}.key")) };
         std::fs::write(&pair.cert, cert.pem())?;
         write_private(&pair.key, key.serialize_pem().as_bytes())?;
         Ok(pair)
@@ -117,10 +122,9 @@ impl DevIssuer {
         std::fs::create_dir_all(dir)?;
         let (key_pair, algorithm) = match kind {
             IssuerKey::Es256 => (KeyPair::generate()?, Algorithm::ES256),
-            IssuerKey::Rs256 => (
-                KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_2048)?,
-                Algorithm::RS256,
-            ),
+            IssuerKey::Rs256 => {
+                (KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_2048)?, Algorithm::RS256)
+            }
         };
         let private_pem = key_pair.serialize_pem();
         let key = match kind {
@@ -184,8 +188,8 @@ pub fn now() -> u64 {
 
 /// Writes a secret file readable only by its owner.
 pub fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
     file.write_all(bytes)?;
     Ok(())

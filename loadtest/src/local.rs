@@ -149,11 +149,13 @@ impl LocalDeployment {
         let issuer = DevIssuer::create(dir.path(), &options.tenant, "https://issuer.tether.local", IssuerKey::Es256)?;
         let gateway_cert = ca.server("gateway", &[&options.host, "localhost", "127.0.0.1"])?;
         let frontend_uds = dir.path().join(format!("{}.sock", options.tenant));
-        let keepalive = KeepaliveConfig { ping_interval: options.ping_interval.into(), ping_timeout: options.ping_interval.into() };
+        let keepalive =
+            KeepaliveConfig { ping_interval: options.ping_interval.into(), ping_timeout: options.ping_interval.into() };
         let mut config: GatewayConfig = serde_json::from_value(serde_json::json!({}))?;
         config.server_id = Some("gateway-0".into());
         config.listen = ListenConfig { agents: loopback(0), admin: loopback(0) };
-        config.tls = options.tls.then(|| TlsFiles { cert_file: gateway_cert.cert.clone(), key_file: gateway_cert.key.clone() });
+        config.tls =
+            options.tls.then(|| TlsFiles { cert_file: gateway_cert.cert.clone(), key_file: gateway_cert.key.clone() });
         config.keepalive = keepalive;
         config.drain_grace_period = HumanDuration(Duration::from_secs(5));
         config.tenants = vec![TenantConfig {

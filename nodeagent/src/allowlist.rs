@@ -25,7 +25,9 @@ impl PortSpec {
         let range = match self {
             Self::One(port) => *port..=*port,
             Self::Range(text) => {
-                let parse = |s: &str| s.trim().parse::<u16>().map_err(|_| format!("{text:?} is not a port or range like 30000-32767"));
+                let parse = |s: &str| {
+                    s.trim().parse::<u16>().map_err(|_| format!("{text:?} is not a port or range like 30000-32767"))
+                };
                 match text.split_once('-') {
                     Some((low, high)) => parse(low)?..=parse(high)?,
                     None => {

@@ -188,7 +188,9 @@ impl AgentConfig {
                 }
                 Err(e) => problems.push(format!("gateway.url: {e}")),
             },
-            Err(e) => problems.push(format!("gateway.url: {:?} is not a URL ({e}); use wss://<host>/v1/tunnel", gw.url)),
+            Err(e) => {
+                problems.push(format!("gateway.url: {:?} is not a URL ({e}); use wss://<host>/v1/tunnel", gw.url))
+            }
         }
         if !gw.token_file.is_file() {
             problems.push(format!(
@@ -205,7 +207,8 @@ impl AgentConfig {
             problems.push("gateway.system_roots: false needs gateway.ca_file, or nothing is trusted".into());
         }
         if gw.reconnect_initial.0.is_zero() || gw.reconnect_max.0 < gw.reconnect_initial.0 {
-            problems.push("gateway.reconnect_max: must be at least gateway.reconnect_initial, which must be > 0".into());
+            problems
+                .push("gateway.reconnect_max: must be at least gateway.reconnect_initial, which must be > 0".into());
         }
         if gw.ping_interval.0 < Duration::from_secs(1) || gw.ping_timeout.0 < Duration::from_secs(1) {
             problems.push("gateway.ping_interval / gateway.ping_timeout: must be at least 1s".into());

@@ -7,16 +7,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use std::sync::Mutex;
 use tether_tunnel::backoff::Backoff;
 use tether_tunnel::client::{self, ClientSettings, ConnectError};
 use tether_tunnel::framed::{FrameError, read_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxSettings, MuxStream, Role, Session};
 use tether_tunnel::protocol::{
-    ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION,
-    StreamOpen, StreamResult, TokenRefresh, Welcome,
+    ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION, StreamOpen,
+    StreamResult, TokenRefresh, Welcome,
 };
 use tokio::io::{AsyncRead, WriteHalf};
-use std::sync::Mutex;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -235,8 +235,10 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                     metrics::counter!(DRAINS).increment(1);
                     tracing::info!(server = %welcome.server_id, reason = %drain.reason, deadline_ms = drain.deadline_ms, "gateway asked to move; reconnecting while in-flight streams finish");
                     let deadline = Duration::from_millis(drain.deadline_ms);
-                    tokio::spawn(finish_draining(session.clone(), incoming, ctx.clone(), deadline));
-                    reader.abort();
+                    // The control stream stays open too: closing it would end the session at the
+                    // gateway, and with it the streams still in flight.
+                    let control = (control_write, reader, messages);
+                    tokio::spawn(finish_draining(session.clone(), incoming, control, ctx.clone(), deadline));
                     return SessionEnd::Drained;
                 }
                 Some(Ok(ControlMessage::TokenRefreshResult(result))) => {
@@ -278,7 +280,14 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
 }
 
 /// Serves a drained session's last streams until the deadline, then closes it.
-async fn finish_draining(session: Session, mut incoming: Incoming, ctx: Arc<ConnectionContext>, deadline: Duration) {
+async fn finish_draining(
+    session: Session,
+    mut incoming: Incoming,
+    control: DrainingControl,
+    ctx: Arc<ConnectionContext>,
+    deadline: Duration,
+) {
+    let (_control_write, reader, mut messages) = control;
     let until = tokio::time::sleep(deadline);
     tokio::pin!(until);
     loop {
@@ -289,11 +298,17 @@ async fn finish_draining(session: Session, mut incoming: Incoming, ctx: Arc<Conn
                 }
                 None => break,
             },
+            message = messages.recv() => if message.is_none() { break },
             () = &mut until => break,
         }
     }
+    reader.abort();
     session.close();
 }
+
+/// The control stream of a draining session, kept open until the session ends.
+type DrainingControl =
+    (WriteHalf<MuxStream>, tokio::task::JoinHandle<()>, mpsc::Receiver<Result<ControlMessage, FrameError>>);
 
 async fn read_control<R: AsyncRead + Unpin>(mut reader: R, tx: mpsc::Sender<Result<ControlMessage, FrameError>>) {
     loop {

@@ -95,14 +95,23 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
 
 /// Resolves and connects to the target if the allow list permits it.
 async fn connect(request: &DialRequest, policy: &DialPolicy) -> Result<TcpStream, StreamResult> {
-    let (host, port) = split_target(&request.target)
-        .ok_or_else(|| StreamResult::refused(ErrorCode::BadRequest, format!("{:?} is not host:port", printable(&request.target))))?;
+    let (host, port) = split_target(&request.target).ok_or_else(|| {
+        StreamResult::refused(ErrorCode::BadRequest, format!("{:?} is not host:port", printable(&request.target)))
+    })?;
     if !policy.allow.allows_port(port) {
-        return Err(StreamResult::refused(ErrorCode::NotAllowed, format!("port {port} is not on this agent's allow list")));
+        return Err(StreamResult::refused(
+            ErrorCode::NotAllowed,
+            format!("port {port} is not on this agent's allow list"),
+        ));
     }
     let timeout = request.timeout_ms.map(Duration::from_millis).unwrap_or(policy.max_timeout).min(policy.max_timeout);
     let deadline = tokio::time::Instant::now() + timeout;
-    let timed_out = || StreamResult::refused(ErrorCode::Timeout, format!("connecting to {} timed out after {} ms", request.target, timeout.as_millis()));
+    let timed_out = || {
+        StreamResult::refused(
+            ErrorCode::Timeout,
+            format!("connecting to {} timed out after {} ms", request.target, timeout.as_millis()),
+        )
+    };
 
     let candidates: Vec<SocketAddr> = match host.parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, port)],
@@ -112,7 +121,8 @@ async fn connect(request: &DialRequest, policy: &DialPolicy) -> Result<TcpStream
             .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {host}: {e}")))?
             .collect(),
     };
-    let allowed: Vec<SocketAddr> = candidates.iter().copied().filter(|a| policy.allow.allows(a.ip(), a.port())).collect();
+    let allowed: Vec<SocketAddr> =
+        candidates.iter().copied().filter(|a| policy.allow.allows(a.ip(), a.port())).collect();
     if allowed.is_empty() {
         let shown: Vec<String> = candidates.iter().take(4).map(|a| a.ip().to_string()).collect();
         return Err(StreamResult::refused(
@@ -136,11 +146,8 @@ async fn connect(request: &DialRequest, policy: &DialPolicy) -> Result<TcpStream
 
 /// `host:port` or `[v6]:port` -> (host, port).
 fn split_target(target: &str) -> Option<(&str, u16)> {
-    let (host, port) = if let Some(rest) = target.strip_prefix('[') {
-        rest.split_once("]:")?
-    } else {
-        target.rsplit_once(':')?
-    };
+    let (host, port) =
+        if let Some(rest) = target.strip_prefix('[') { rest.split_once("]:")? } else { target.rsplit_once(':')? };
     let port: u16 = port.parse().ok()?;
     (!host.is_empty() && port != 0).then_some((host, port))
 }

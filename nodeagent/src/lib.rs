@@ -66,7 +66,10 @@ impl Agent {
             connect_timeout: gw.connect_timeout.0,
             handshake_timeout: gw.handshake_timeout.0,
             ws: WsSettings {
-                keepalive: Some(KeepaliveSettings { ping_interval: gw.ping_interval.0, ping_timeout: gw.ping_timeout.0 }),
+                keepalive: Some(KeepaliveSettings {
+                    ping_interval: gw.ping_interval.0,
+                    ping_timeout: gw.ping_timeout.0,
+                }),
                 ..WsSettings::default()
             },
             user_agent: format!("tether-agent/{}", env!("CARGO_PKG_VERSION")),

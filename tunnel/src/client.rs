@@ -103,14 +103,19 @@ pub async fn connect(
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
     let tcp = tokio::time::timeout(settings.connect_timeout, TcpStream::connect((bare_host, port)))
         .await
-        .map_err(|_| ConnectError::Timeout { stage: "TCP connect", addr: addr.clone(), after: settings.connect_timeout })?
+        .map_err(|_| ConnectError::Timeout {
+            stage: "TCP connect",
+            addr: addr.clone(),
+            after: settings.connect_timeout,
+        })?
         .map_err(|source| ConnectError::Tcp { addr: addr.clone(), source })?;
     let _ = tcp.set_nodelay(true);
     let handshake = async {
         let transport = if tls {
-            let config = settings.tls.clone().ok_or_else(|| {
-                ConnectError::InvalidUrl("wss:// needs a TLS configuration (CA bundle)".into())
-            })?;
+            let config = settings
+                .tls
+                .clone()
+                .ok_or_else(|| ConnectError::InvalidUrl("wss:// needs a TLS configuration (CA bundle)".into()))?;
             let name = settings.tls_server_name.clone().unwrap_or_else(|| host.clone());
             let server_name = ServerName::try_from(name.trim_start_matches('[').trim_end_matches(']').to_owned())
                 .map_err(|e| ConnectError::InvalidUrl(format!("bad TLS server name {name:?}: {e}")))?;
@@ -169,9 +174,11 @@ fn upgrade_request(settings: &ClientSettings, bearer_token: Option<&str>) -> Res
     // tungstenite expects ws/wss; the scheme does not go on the wire.
     let mut parts = settings.url.clone().into_parts();
     let scheme = parts.scheme.as_ref().map(|s| s.as_str().to_owned()).unwrap_or_default();
-    parts.scheme = Some(if scheme == "wss" || scheme == "https" { "wss" } else { "ws" }.parse().map_err(
-        |e: http::uri::InvalidUri| ConnectError::InvalidUrl(e.to_string()),
-    )?);
+    parts.scheme = Some(
+        if scheme == "wss" || scheme == "https" { "wss" } else { "ws" }
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| ConnectError::InvalidUrl(e.to_string()))?,
+    );
     let uri = Uri::from_parts(parts).map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
     let mut request = uri.into_client_request().map_err(|e| ConnectError::InvalidUrl(e.to_string()))?;
     let headers = request.headers_mut();

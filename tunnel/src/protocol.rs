@@ -86,8 +86,7 @@ pub fn decode<T: DeserializeOwned>(buf: &[u8], max: usize) -> Result<Option<(T, 
     if buf.len() < end {
         return Ok(None);
     }
-    let msg = serde_json::from_slice(&buf[LENGTH_PREFIX..end])
-        .map_err(|e| DecodeError::Malformed(e.to_string()))?;
+    let msg = serde_json::from_slice(&buf[LENGTH_PREFIX..end]).map_err(|e| DecodeError::Malformed(e.to_string()))?;
     Ok(Some((msg, end)))
 }
 
@@ -343,9 +342,7 @@ pub fn stream_kind_name(frame: &[u8]) -> String {
         kind: String,
     }
     let body = frame.get(LENGTH_PREFIX..).unwrap_or_default();
-    serde_json::from_slice::<Kind>(body)
-        .map(|k| k.kind.chars().take(64).collect())
-        .unwrap_or_else(|_| "?".to_owned())
+    serde_json::from_slice::<Kind>(body).map(|k| k.kind.chars().take(64).collect()).unwrap_or_else(|_| "?".to_owned())
 }
 
 #[cfg(test)]
@@ -363,11 +360,7 @@ mod tests {
     fn stream_frames_round_trip() {
         round_trip(StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME);
         round_trip(
-            StreamOpen::Dial(DialRequest {
-                target: "10.0.0.5:10250".into(),
-                timeout_ms: Some(5000),
-                request_id: 42,
-            }),
+            StreamOpen::Dial(DialRequest { target: "10.0.0.5:10250".into(), timeout_ms: Some(5000), request_id: 42 }),
             MAX_STREAM_FRAME,
         );
         round_trip(
@@ -409,7 +402,11 @@ mod tests {
         round_trip(ControlMessage::Drain(Drain { deadline_ms: 30_000, reason: "shutdown".into() }), MAX_CONTROL_FRAME);
         round_trip(ControlMessage::TokenRefresh(TokenRefresh { token: "a.b.c".into() }), MAX_CONTROL_FRAME);
         round_trip(
-            ControlMessage::TokenRefreshResult(TokenRefreshResult { ok: false, expires_at: None, message: Some("expired".into()) }),
+            ControlMessage::TokenRefreshResult(TokenRefreshResult {
+                ok: false,
+                expires_at: None,
+                message: Some("expired".into()),
+            }),
             MAX_CONTROL_FRAME,
         );
         round_trip(ControlMessage::IdentifiersUpdate(Identifiers::default()), MAX_CONTROL_FRAME);
@@ -504,13 +501,21 @@ mod tests {
     #[test]
     fn random_input_never_panics() {
         let seeds: Vec<Bytes> = vec![
-            encode(&StreamOpen::Dial(DialRequest { target: "h:1".into(), timeout_ms: Some(1), request_id: 2 }), MAX_STREAM_FRAME).unwrap(),
-            encode(&ControlMessage::Hello(Hello {
-                agent_id: "a".into(),
-                version: String::new(),
-                identifiers: Identifiers::default(),
-                capabilities: vec![],
-            }), MAX_CONTROL_FRAME).unwrap(),
+            encode(
+                &StreamOpen::Dial(DialRequest { target: "h:1".into(), timeout_ms: Some(1), request_id: 2 }),
+                MAX_STREAM_FRAME,
+            )
+            .unwrap(),
+            encode(
+                &ControlMessage::Hello(Hello {
+                    agent_id: "a".into(),
+                    version: String::new(),
+                    identifiers: Identifiers::default(),
+                    capabilities: vec![],
+                }),
+                MAX_CONTROL_FRAME,
+            )
+            .unwrap(),
         ];
         let mut rng = fastrand::Rng::with_seed(0x7e7e);
         for i in 0..20_000 {

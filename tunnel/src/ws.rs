@@ -382,7 +382,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_answering_peer_stays_alive() {
         let settings = WsSettings {
-            keepalive: Some(KeepaliveSettings { ping_interval: Duration::from_secs(5), ping_timeout: Duration::from_secs(5) }),
+            keepalive: Some(KeepaliveSettings {
+                ping_interval: Duration::from_secs(5),
+                ping_timeout: Duration::from_secs(5),
+            }),
             ..WsSettings::default()
         };
         let (mut bytes, mut raw) = pair(&settings).await;

@@ -22,7 +22,10 @@ async fn status_for(deployment: &LocalDeployment, token: Option<&str>) -> Result
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_valid_token_is_upgraded() {
     let d = deployment().await;
-    let token = d.issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    let token = d
+        .issuer
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None)
+        .unwrap();
     assert_eq!(status_for(&d, Some(&token)).await, Ok(()));
     d.shutdown().await;
 }
@@ -42,7 +45,8 @@ async fn bad_tokens_get_401_and_no_upgrade() {
     let stranger = DevIssuer::create(d.dir.path(), "stranger", &issuer.issuer, IssuerKey::Es256).unwrap();
     let mut forged = stranger.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
     forged.iss = issuer.issuer.clone();
-    let good = issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    let good =
+        issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
     let mut tampered = good.clone();
     tampered.replace_range(tampered.len() - 4.., "AAAA");
 

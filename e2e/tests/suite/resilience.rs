@@ -16,10 +16,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::support::one_agent_echo;
 
 async fn echo_roundtrip(frontend: std::net::SocketAddr, echo: std::net::SocketAddr) -> Result<(), String> {
-    let mut tunnel = connect_tcp(frontend, &echo.to_string())
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
+    let mut tunnel =
+        connect_tcp(frontend, &echo.to_string()).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
     tunnel.write_all(b"ping").await.map_err(|e| e.to_string())?;
     let mut got = [0u8; 4];
     tunnel.read_exact(&mut got).await.map_err(|e| e.to_string())?;

@@ -27,15 +27,21 @@ pub async fn echo_server() -> SocketAddr {
 
 /// An agent that serves `addr` (declared as its address and allowed).
 pub fn agent_for(id: &str, addr: SocketAddr) -> AgentSpec {
-    AgentSpec { id: id.into(), addresses: vec![addr.ip()], allow: vec![allow(addr.ip(), &[addr.port()])], default_route: false }
+    AgentSpec {
+        id: id.into(),
+        addresses: vec![addr.ip()],
+        allow: vec![allow(addr.ip(), &[addr.port()])],
+        default_route: false,
+    }
 }
 
 /// A deployment with one agent in front of an echo server; returns it and the echo address.
 pub async fn one_agent_echo() -> (LocalDeployment, SocketAddr) {
     let echo = echo_server().await;
-    let deployment = LocalDeployment::start(LocalOptions { agents: vec![agent_for("node-1", echo)], ..LocalOptions::default() })
-        .await
-        .unwrap();
+    let deployment =
+        LocalDeployment::start(LocalOptions { agents: vec![agent_for("node-1", echo)], ..LocalOptions::default() })
+            .await
+            .unwrap();
     deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
     (deployment, echo)
 }

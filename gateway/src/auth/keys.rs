@@ -36,8 +36,9 @@ impl KeySet {
                 AlgorithmParameters::OctetKeyPair(_) => AlgorithmFamily::Ed,
                 _ => continue,
             };
-            let key = DecodingKey::from_jwk(jwk)
-                .map_err(|e| format!("key {:?} is unusable: {e}", jwk.common.key_id.as_deref().unwrap_or("(no kid)")))?;
+            let key = DecodingKey::from_jwk(jwk).map_err(|e| {
+                format!("key {:?} is unusable: {e}", jwk.common.key_id.as_deref().unwrap_or("(no kid)"))
+            })?;
             // A key pinned to an algorithm we cannot verify with (e.g. RSA-OAEP) is an encryption
             // key: leave it out rather than let it verify anything.
             let alg = match jwk.common.key_algorithm {

@@ -237,9 +237,10 @@ fn map_error(e: jsonwebtoken::errors::Error) -> AuthError {
         ErrorKind::InvalidAlgorithm => AuthError::AlgorithmNotAllowed("for this key".into()),
         ErrorKind::Json(_) => AuthError::BadClaim("claims".into()),
         // Key-type mismatches and crypto failures mean the token was not signed by this key.
-        ErrorKind::InvalidEcdsaKey | ErrorKind::InvalidEddsaKey | ErrorKind::InvalidRsaKey(_) | ErrorKind::InvalidKeyFormat => {
-            AuthError::BadSignature
-        }
+        ErrorKind::InvalidEcdsaKey
+        | ErrorKind::InvalidEddsaKey
+        | ErrorKind::InvalidRsaKey(_)
+        | ErrorKind::InvalidKeyFormat => AuthError::BadSignature,
         _ => AuthError::Malformed,
     }
 }

@@ -160,9 +160,10 @@ mod tests {
 
     #[tokio::test]
     async fn parses_heads_split_across_reads_and_keeps_early_data() {
-        let req = parse_bytes(&[b"CONNECT node-1:22 HT", b"TP/1.1\r\nHost: x\r\nUser-Agent: curl\r\n", b"\r\nSSH-2.0-early"])
-            .await
-            .unwrap();
+        let req =
+            parse_bytes(&[b"CONNECT node-1:22 HT", b"TP/1.1\r\nHost: x\r\nUser-Agent: curl\r\n", b"\r\nSSH-2.0-early"])
+                .await
+                .unwrap();
         assert_eq!(req.target, "node-1:22");
         assert_eq!(&req.early_data[..], b"SSH-2.0-early");
     }

@@ -1,0 +1,280 @@
+//! End to end with the real binaries, curl, and the exact bytes kube-apiserver sends.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tether_e2e::bins::{Process, free_port, http_get, metric_sum, wait_ready};
+use tether_loadtest::backends;
+use tether_loadtest::devpki::{DevCa, DevIssuer, IssuerKey, PemPair, write_private};
+use tether_loadtest::local::{AUDIENCE, ScratchDir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::node_listener;
+
+struct Bins {
+    dir: ScratchDir,
+    ca: DevCa,
+    client_cert: PemPair,
+    gateway: Process,
+    agent: Process,
+    frontend: SocketAddr,
+    uds: PathBuf,
+    gateway_admin: SocketAddr,
+    agent_admin: SocketAddr,
+    node: SocketAddr,
+}
+
+/// Gateway and agent binaries with dev credentials; the frontend uses mutual TLS if `mtls`.
+async fn start(mtls: bool, grace: &str) -> Bins {
+    let dir = ScratchDir::new("tether-bins").unwrap();
+    let ca = DevCa::create(dir.path(), "e2e").unwrap();
+    let issuer = DevIssuer::create(dir.path(), "e2e", "https://issuer.e2e.local", IssuerKey::Rs256).unwrap();
+    let gateway_cert = ca.server("gateway", &["e2e.tether.local", "127.0.0.1"]).unwrap();
+    let client_cert = ca.client("kas", "kube-apiserver").unwrap();
+    let (listener, node) = node_listener().await;
+    backends::spawn_http(listener, "node-1".into());
+
+    let frontend = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let gateway_admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let agents_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let agent_admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let uds = dir.path().join("e2e.sock");
+    let tcp_frontend = if mtls {
+        serde_json::json!({
+            "listen": frontend.to_string(),
+            "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+            "client_ca_file": ca.ca_cert,
+        })
+    } else {
+        serde_json::json!({ "listen": frontend.to_string() })
+    };
+    let gateway_config = serde_json::json!({
+        "server_id": "gw-e2e",
+        "listen": { "agents": agents_addr.to_string(), "admin": gateway_admin.to_string() },
+        "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+        "drain_grace_period": grace,
+        "tenants": [{
+            "name": "e2e",
+            "hosts": ["e2e.tether.local"],
+            "auth": { "issuer": issuer.issuer, "audiences": [AUDIENCE], "jwks_file": issuer.jwks_file },
+            "frontend": { "uds": uds, "tcp": tcp_frontend },
+        }],
+    });
+    // YAML is a superset of JSON, so the JSON text is a valid YAML configuration file.
+    let gateway_file = dir.path().join("gateway.yaml");
+    std::fs::write(&gateway_file, serde_json::to_string_pretty(&gateway_config).unwrap()).unwrap();
+
+    let token = issuer
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some("node-1"))
+        .unwrap();
+    let token_file = dir.path().join("agent.token");
+    write_private(&token_file, token.as_bytes()).unwrap();
+    let agent_config = serde_json::json!({
+        "gateway": {
+            "url": format!("wss://e2e.tether.local:{}/v1/tunnel", agents_addr.port()),
+            "token_file": token_file,
+            "ca_file": ca.ca_cert,
+            "reconnect_initial": "100ms",
+            "reconnect_max": "1s",
+        },
+        "admin_listen": agent_admin.to_string(),
+        "identifiers": { "addresses": [node.ip().to_string()] },
+        "allow": [{ "cidr": format!("{}/32", node.ip()), "ports": [node.port()] }],
+    });
+    let agent_file = dir.path().join("agent.yaml");
+    std::fs::write(&agent_file, serde_json::to_string_pretty(&agent_config).unwrap()).unwrap();
+
+    let gateway =
+        Process::spawn("tether-gateway", &["--config", gateway_file.to_str().unwrap()], &[], dir.path(), "gateway")
+            .unwrap();
+    assert!(
+        wait_ready(gateway_admin, "/readyz", Duration::from_secs(20)).await,
+        "gateway not ready:\n{}",
+        gateway.log_text()
+    );
+    // The agent resolves e2e.tether.local through the URL; point it at loopback via server_name.
+    let agent = Process::spawn(
+        "tether-agent",
+        &["--config", agent_file.to_str().unwrap()],
+        &[
+            ("TETHER__GATEWAY__URL", &format!("wss://127.0.0.1:{}/v1/tunnel", agents_addr.port())),
+            ("TETHER__GATEWAY__SERVER_NAME", "e2e.tether.local"),
+        ],
+        dir.path(),
+        "agent",
+    )
+    .unwrap();
+    assert!(
+        wait_ready(agent_admin, "/readyz", Duration::from_secs(20)).await,
+        "agent not ready:\n{}",
+        agent.log_text()
+    );
+    Bins { dir, ca, client_cert, gateway, agent, frontend, uds, gateway_admin, agent_admin, node }
+}
+
+fn curl(args: &[&str]) -> (bool, String, String) {
+    let output =
+        std::process::Command::new("curl").args(["-sS", "--max-time", "20"]).args(args).output().expect("curl");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into(),
+        String::from_utf8_lossy(&output.stderr).into(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_reaches_a_node_through_the_tcp_frontend() {
+    let bins = start(false, "5s").await;
+    let proxy = format!("http://{}", bins.frontend);
+    let url = format!("http://{}/logs/kubelet.log", bins.node);
+    let (ok, body, err) = tokio::task::spawn_blocking(move || curl(&["-p", "-x", &proxy, &url])).await.unwrap();
+    assert!(ok, "curl failed: {err}\n{}", bins.gateway.log_text());
+    assert_eq!(body, "hello from node-1: you asked for /logs/kubelet.log\n");
+
+    // A target outside the agent's allow list: a clear refusal, not a hang.
+    let proxy = format!("http://{}", bins.frontend);
+    let (ok, _, err) =
+        tokio::task::spawn_blocking(move || curl(&["-p", "-x", &proxy, "http://127.0.0.1:9/"])).await.unwrap();
+    assert!(!ok);
+    assert!(err.contains("403"), "{err}");
+
+    let (status, metrics) = http_get(bins.gateway_admin, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(metric_sum(&metrics, "tether_gateway_dials_total", "result=\"ok\""), 1.0, "{metrics}");
+    assert_eq!(metric_sum(&metrics, "tether_gateway_dials_total", "result=\"not_allowed\""), 1.0);
+    assert_eq!(metric_sum(&metrics, "tether_gateway_agent_sessions", "tenant=\"e2e\""), 1.0);
+    assert!(metric_sum(&metrics, "tether_gateway_bytes_total", "direction=\"from_agent\"") > 0.0);
+    let (_, agent_metrics) = http_get(bins.agent_admin, "/metrics").await.unwrap();
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_dials_total", "result=\"ok\""), 1.0, "{agent_metrics}");
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_sessions", ""), 1.0);
+    drop(bins.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unix_socket_answers_kube_apiservers_exact_request() {
+    let bins = start(false, "5s").await;
+    let mut socket = tokio::net::UnixStream::connect(&bins.uds).await.unwrap();
+    // Byte for byte what kube-apiserver's egress selector writes in HTTPConnect mode.
+    let request = format!("CONNECT {} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", bins.node);
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let expected = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+    let mut head = vec![0u8; expected.len()];
+    socket.read_exact(&mut head).await.unwrap();
+    assert_eq!(head, expected);
+    // Nothing may follow the head before the tunnelled server speaks (it waits for a request).
+    let mut extra = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), socket.read(&mut extra)).await;
+    assert!(early.is_err(), "bytes after the response head: {early:?}");
+    socket.write_all(b"GET /containerLogs/x HTTP/1.1\r\nHost: node\r\n\r\n").await.unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(response.ends_with("hello from node-1: you asked for /containerLogs/x\n"));
+
+    // Anything but CONNECT is refused with 405 and a reason.
+    let mut socket = tokio::net::UnixStream::connect(&bins.uds).await.unwrap();
+    socket.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    socket.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{answer}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mtls_frontend_refuses_clients_without_a_valid_certificate() {
+    let bins = start(true, "5s").await;
+    let proxy = format!("https://127.0.0.1:{}", bins.frontend.port());
+    let url = format!("http://{}/mtls", bins.node);
+    let ca = bins.ca.ca_cert.display().to_string();
+    let cert = bins.client_cert.cert.display().to_string();
+    let key = bins.client_cert.key.display().to_string();
+
+    let (p, u, c, ce, k) = (proxy.clone(), url.clone(), ca.clone(), cert.clone(), key.clone());
+    let (ok, body, err) = tokio::task::spawn_blocking(move || {
+        curl(&["-p", "-x", &p, "--proxy-cacert", &c, "--proxy-cert", &ce, "--proxy-key", &k, &u])
+    })
+    .await
+    .unwrap();
+    assert!(ok, "with a client certificate: {err}");
+    assert!(body.contains("hello from node-1"), "{body}");
+
+    let (p, u, c) = (proxy.clone(), url.clone(), ca.clone());
+    let (ok, _, err) =
+        tokio::task::spawn_blocking(move || curl(&["-p", "-x", &p, "--proxy-cacert", &c, &u])).await.unwrap();
+    assert!(!ok, "without a client certificate the handshake must fail: {err}");
+
+    // A certificate from another CA is refused too.
+    let other = DevCa::create(&bins.dir.path().join("other"), "other").unwrap();
+    let stranger = other.client("stranger", "kube-apiserver").unwrap();
+    let (sc, sk) = (stranger.cert.display().to_string(), stranger.key.display().to_string());
+    let (ok, _, err) = tokio::task::spawn_blocking(move || {
+        curl(&["-p", "-x", &proxy, "--proxy-cacert", &ca, "--proxy-cert", &sc, "--proxy-key", &sk, &url])
+    })
+    .await
+    .unwrap();
+    assert!(!ok, "a certificate from another CA must be refused: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_streams_then_exits() {
+    let mut bins = start(false, "20s").await;
+    // A tunnel that is open when SIGTERM arrives.
+    let mut open =
+        tether_loadtest::connect_client::connect_tcp(bins.frontend, &bins.node.to_string()).await.unwrap().unwrap();
+    bins.gateway.terminate();
+    // Readiness drops at once so LBs stop sending new work.
+    let mut drained = false;
+    for _ in 0..100 {
+        match http_get(bins.gateway_admin, "/readyz").await {
+            Ok((503, body)) if body.contains("draining") => {
+                drained = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert!(drained, "readyz must report draining");
+    // New connections are no longer accepted.
+    let refused = tokio::net::TcpStream::connect(bins.frontend).await;
+    assert!(refused.is_err(), "the frontend must stop accepting");
+    // The open tunnel keeps working within the grace period.
+    open.write_all(b"GET /during-drain HTTP/1.1\r\nHost: n\r\n\r\n").await.unwrap();
+    let mut response = String::new();
+    open.read_to_string(&mut response).await.unwrap();
+    assert!(response.contains("/during-drain"), "{response}");
+    drop(open);
+    // With the last stream done the gateway exits well before the 20 s grace period.
+    let status = bins.gateway.wait(Duration::from_secs(15)).await.expect("gateway did not exit after draining");
+    assert!(status.success(), "{status:?}\n{}", bins.gateway.log_text());
+    // The agent was told to move and counted it.
+    let (_, metrics) = http_get(bins.agent_admin, "/metrics").await.unwrap();
+    assert_eq!(metric_sum(&metrics, "tether_agent_drains_total", ""), 1.0, "{metrics}");
+    assert!(bins.agent.log_text().contains("gateway asked to move"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_is_reported_with_the_key_and_the_fix() {
+    let dir = ScratchDir::new("tether-badconfig").unwrap();
+    let file = dir.path().join("gateway.yaml");
+    std::fs::write(&file, "tenants:\n  - name: Bad Name\n    hosts: []\n    auth:\n      issuer: x\n      audiences: [a]\n      jwks_file: /missing.json\n").unwrap();
+    let output = std::process::Command::new(tether_e2e::bins::bin_path("tether-gateway"))
+        .args(["--check-config", "--config", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&output.stderr);
+    for key in ["tenants[0].name", "tenants[0].hosts", "tenants[0].auth.jwks_file", "tenants[0].frontend"] {
+        assert!(err.contains(key), "{key} missing from:\n{err}");
+    }
+    // An environment override with a bad value names its key.
+    let output = std::process::Command::new(tether_e2e::bins::bin_path("tether-agent"))
+        .args(["--check-config"])
+        .env("TETHER__GATEWAY__URL", "wss://gw.example.com/v1/tunnel")
+        .env("TETHER__GATEWAY__TOKEN_FILE", "/nonexistent/token")
+        .env("TETHER__GATEWAY__PING_INTERVAL", "often")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("ping_interval") || err.contains("often"), "{err}");
+}
