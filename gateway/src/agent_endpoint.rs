@@ -53,14 +53,14 @@ fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> Http
     }
     let tenant = match tenant_of(req.headers(), conn, shared) {
         Ok(tenant) => tenant,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     if shared.drain_started.is_cancelled() {
         return retry_later("gateway is shutting down; connect to another replica");
     }
     let key = match check_upgrade(req.headers()) {
         Ok(key) => key,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     let identity = match bearer_token(req.headers()).and_then(|token| tenant.verifier.verify(token)) {
         Ok(identity) => identity,
@@ -111,7 +111,7 @@ fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> Http
 }
 
 /// The tenant named by SNI and/or Host; when both are present they must agree.
-fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Arc<Tenant>, HttpResponse> {
+fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Arc<Tenant>, Box<HttpResponse>> {
     let host = headers.get(HOST).and_then(|h| h.to_str().ok());
     let by_host = host.map(|h| (h, shared.tenants.for_host(h)));
     let by_sni = conn.sni.as_deref().map(|s| (s, shared.tenants.for_host(s)));
@@ -120,29 +120,29 @@ fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Ar
             if Arc::ptr_eq(&a, &b) {
                 Ok(a)
             } else {
-                Err(text(
+                Err(Box::new(text(
                     StatusCode::MISDIRECTED_REQUEST,
                     &format!("TLS server name {sni} and Host {host} belong to different clusters"),
-                ))
+                )))
             }
         }
         (Some((_, Some(tenant))), None) | (None, Some((_, Some(tenant)))) => Ok(tenant),
-        (Some((sni, Some(_))), Some((host, None))) => Err(text(
+        (Some((sni, Some(_))), Some((host, None))) => Err(Box::new(text(
             StatusCode::MISDIRECTED_REQUEST,
             &format!("Host {} does not match TLS server name {sni}", printable(host)),
-        )),
+        ))),
         (Some((sni, None)), _) => {
-            Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni))))
+            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni)))))
         }
         (None, Some((host, None))) => {
-            Err(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host))))
+            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host)))))
         }
-        (None, None) => Err(text(StatusCode::BAD_REQUEST, "missing Host header")),
+        (None, None) => Err(Box::new(text(StatusCode::BAD_REQUEST, "missing Host header"))),
     }
 }
 
 /// Checks the WebSocket upgrade headers and our subprotocol; returns the client's key.
-fn check_upgrade(headers: &HeaderMap) -> Result<String, HttpResponse> {
+fn check_upgrade(headers: &HeaderMap) -> Result<String, Box<HttpResponse>> {
     let has_token = |name, token: &str| {
         headers
             .get_all(name)
@@ -154,25 +154,25 @@ fn check_upgrade(headers: &HeaderMap) -> Result<String, HttpResponse> {
     if !has_token(UPGRADE, "websocket") || !has_token(CONNECTION, "upgrade") {
         let mut response = text(StatusCode::UPGRADE_REQUIRED, "the tunnel endpoint needs a WebSocket upgrade");
         response.headers_mut().insert(UPGRADE, HeaderValue::from_static("websocket"));
-        return Err(response);
+        return Err(Box::new(response));
     }
     if headers.get(SEC_WEBSOCKET_VERSION).and_then(|v| v.to_str().ok()) != Some("13") {
         let mut response = text(StatusCode::UPGRADE_REQUIRED, "WebSocket version 13 is required");
         response.headers_mut().insert(SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
-        return Err(response);
+        return Err(Box::new(response));
     }
     if !has_token(SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
-        return Err(text(
+        return Err(Box::new(text(
             StatusCode::BAD_REQUEST,
             &format!("unsupported tunnel protocol: this gateway speaks {SUBPROTOCOL}; upgrade or downgrade the agent"),
-        ));
+        )));
     }
     headers
         .get(SEC_WEBSOCKET_KEY)
         .and_then(|v| v.to_str().ok())
         .filter(|k| !k.is_empty() && k.len() < 64)
         .map(str::to_owned)
-        .ok_or_else(|| text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key"))
+        .ok_or_else(|| Box::new(text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key")))
 }
 
 fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {

@@ -184,11 +184,10 @@ async fn serve(
                 Some(Ok(other)) => tracing::debug!(tenant = %tenant.name, agent = %agent_id, ?other, "control message ignored"),
             },
             outgoing = control_rx.recv() => {
-                if let Some(message) = outgoing {
-                    if send(&mut control_write, &message).await.is_err() {
+                if let Some(message) = outgoing
+                    && send(&mut control_write, &message).await.is_err() {
                         break CloseReason::ConnectionLost;
                     }
-                }
             }
             stream = incoming.accept() => match stream {
                 Some(stream) => {

@@ -235,11 +235,11 @@ impl AgentRegistry {
         let Ok(mut inner) = self.inner.write() else { return };
         let old = session.identifiers();
         inner.unindex(session.conn_id, &old);
-        if let Ok(mut current) = session.identifiers.write() {
-            *current = identifiers.clone();
-        }
         if inner.all.index.contains_key(&session.conn_id) {
             inner.index(session, &identifiers);
+        }
+        if let Ok(mut current) = session.identifiers.write() {
+            *current = identifiers;
         }
     }
 

@@ -10,3 +10,10 @@ pub mod backends;
 pub mod connect_client;
 pub mod devpki;
 pub mod local;
+
+/// A histogram of microseconds from 1 us to 1 hour with 3 significant digits.
+pub fn latency_histogram() -> hdrhistogram::Histogram<u64> {
+    // The bounds are constants that hdrhistogram accepts; this cannot fail at run time.
+    #[allow(clippy::expect_used)]
+    hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
+}

@@ -60,6 +60,9 @@ pub struct AgentSpec {
     pub default_route: bool,
 }
 
+/// A change applied to the gateway configuration before start.
+pub type GatewayTweak = Box<dyn FnOnce(&mut GatewayConfig) + Send>;
+
 /// What to deploy.
 pub struct LocalOptions {
     /// Tenant name.
@@ -73,7 +76,7 @@ pub struct LocalOptions {
     /// Ping interval on both ends.
     pub ping_interval: Duration,
     /// Adjusts the gateway configuration before start.
-    pub tweak_gateway: Option<Box<dyn FnOnce(&mut GatewayConfig) + Send>>,
+    pub tweak_gateway: Option<GatewayTweak>,
 }
 
 impl Default for LocalOptions {

@@ -198,10 +198,10 @@ impl AgentConfig {
                 gw.token_file.display()
             ));
         }
-        if let Some(ca) = &gw.ca_file {
-            if !ca.is_file() {
-                problems.push(format!("gateway.ca_file: {} does not exist", ca.display()));
-            }
+        if let Some(ca) = &gw.ca_file
+            && !ca.is_file()
+        {
+            problems.push(format!("gateway.ca_file: {} does not exist", ca.display()));
         }
         if gw.ca_file.is_none() && gw.system_roots == Some(false) {
             problems.push("gateway.system_roots: false needs gateway.ca_file, or nothing is trusted".into());
@@ -229,10 +229,10 @@ impl AgentConfig {
         if self.dial_timeout.0 < Duration::from_millis(100) {
             problems.push("dial_timeout: must be at least 100ms".into());
         }
-        if let Some(id) = &self.agent_id {
-            if id.is_empty() || id.len() > 253 || !id.chars().all(|c| c.is_ascii_graphic()) {
-                problems.push("agent_id: must be 1-253 printable ASCII characters".into());
-            }
+        if let Some(id) = &self.agent_id
+            && (id.is_empty() || id.len() > 253 || !id.chars().all(|c| c.is_ascii_graphic()))
+        {
+            problems.push("agent_id: must be 1-253 printable ASCII characters".into());
         }
         problems
     }

@@ -366,10 +366,10 @@ impl Drop for LiveSession {
     fn drop(&mut self) {
         self.state.sessions.fetch_sub(1, Ordering::Relaxed);
         metrics::gauge!(SESSIONS).decrement(1.0);
-        if let Ok(mut ids) = self.state.server_ids.lock() {
-            if let Some(at) = ids.iter().position(|id| *id == self.server_id) {
-                ids.swap_remove(at);
-            }
+        if let Ok(mut ids) = self.state.server_ids.lock()
+            && let Some(at) = ids.iter().position(|id| *id == self.server_id)
+        {
+            ids.swap_remove(at);
         }
     }
 }

@@ -143,10 +143,10 @@ async fn upgrade(
     addr: &str,
 ) -> Result<WsByteStream<Transport>, ConnectError> {
     let mut request = upgrade_request(settings, bearer_token)?;
-    if let Some(name) = &settings.tls_server_name {
-        if let Ok(value) = HeaderValue::from_str(name) {
-            request.headers_mut().insert(http::header::HOST, value);
-        }
+    if let Some(name) = &settings.tls_server_name
+        && let Ok(value) = HeaderValue::from_str(name)
+    {
+        request.headers_mut().insert(http::header::HOST, value);
     }
     let config = settings.ws.tungstenite_config();
     match tokio_tungstenite::client_async_with_config(request, transport, Some(config)).await {

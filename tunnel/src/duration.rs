@@ -42,7 +42,7 @@ pub fn parse(text: &str) -> Result<Duration, String> {
 /// Formats a duration the way [`parse`] reads it.
 pub fn format(d: Duration) -> String {
     let ms = d.as_millis();
-    if ms % 1000 != 0 { format!("{ms}ms") } else { format!("{}s", d.as_secs()) }
+    if !ms.is_multiple_of(1000) { format!("{ms}ms") } else { format!("{}s", d.as_secs()) }
 }
 
 /// Serde `deserialize_with` for a [`Duration`] field.

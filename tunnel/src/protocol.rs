@@ -349,33 +349,33 @@ pub fn stream_kind_name(frame: &[u8]) -> String {
 mod tests {
     use super::*;
 
-    fn round_trip<T: Serialize + DeserializeOwned + PartialEq + fmt::Debug>(msg: T, max: usize) {
-        let bytes = encode(&msg, max).unwrap();
+    fn round_trip<T: Serialize + DeserializeOwned + PartialEq + fmt::Debug>(msg: &T, max: usize) {
+        let bytes = encode(msg, max).unwrap();
         let (back, used): (T, usize) = decode(&bytes, max).unwrap().unwrap();
-        assert_eq!(back, msg);
+        assert_eq!(&back, msg);
         assert_eq!(used, bytes.len());
     }
 
     #[test]
     fn stream_frames_round_trip() {
-        round_trip(StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME);
+        round_trip(&StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME);
         round_trip(
-            StreamOpen::Dial(DialRequest { target: "10.0.0.5:10250".into(), timeout_ms: Some(5000), request_id: 42 }),
+            &StreamOpen::Dial(DialRequest { target: "10.0.0.5:10250".into(), timeout_ms: Some(5000), request_id: 42 }),
             MAX_STREAM_FRAME,
         );
         round_trip(
-            StreamOpen::Dial(DialRequest { target: "[fd00::1]:22".into(), timeout_ms: None, request_id: 0 }),
+            &StreamOpen::Dial(DialRequest { target: "[fd00::1]:22".into(), timeout_ms: None, request_id: 0 }),
             MAX_STREAM_FRAME,
         );
-        round_trip(StreamOpen::Forward(ForwardRequest { target: "kube-apiserver".into() }), MAX_STREAM_FRAME);
-        round_trip(StreamResult::ok(), MAX_STREAM_FRAME);
-        round_trip(StreamResult::refused(ErrorCode::NotAllowed, "port 22 is not allowed"), MAX_STREAM_FRAME);
+        round_trip(&StreamOpen::Forward(ForwardRequest { target: "kube-apiserver".into() }), MAX_STREAM_FRAME);
+        round_trip(&StreamResult::ok(), MAX_STREAM_FRAME);
+        round_trip(&StreamResult::refused(ErrorCode::NotAllowed, "port 22 is not allowed"), MAX_STREAM_FRAME);
     }
 
     #[test]
     fn control_messages_round_trip() {
         round_trip(
-            ControlMessage::Hello(Hello {
+            &ControlMessage::Hello(Hello {
                 agent_id: "node-1".into(),
                 version: "0.1.0".into(),
                 identifiers: Identifiers {
@@ -389,7 +389,7 @@ mod tests {
             MAX_CONTROL_FRAME,
         );
         round_trip(
-            ControlMessage::Welcome(Welcome {
+            &ControlMessage::Welcome(Welcome {
                 server_id: "gw-0".into(),
                 server_count: 3,
                 agent_id: "node-1".into(),
@@ -399,17 +399,17 @@ mod tests {
             }),
             MAX_CONTROL_FRAME,
         );
-        round_trip(ControlMessage::Drain(Drain { deadline_ms: 30_000, reason: "shutdown".into() }), MAX_CONTROL_FRAME);
-        round_trip(ControlMessage::TokenRefresh(TokenRefresh { token: "a.b.c".into() }), MAX_CONTROL_FRAME);
+        round_trip(&ControlMessage::Drain(Drain { deadline_ms: 30_000, reason: "shutdown".into() }), MAX_CONTROL_FRAME);
+        round_trip(&ControlMessage::TokenRefresh(TokenRefresh { token: "a.b.c".into() }), MAX_CONTROL_FRAME);
         round_trip(
-            ControlMessage::TokenRefreshResult(TokenRefreshResult {
+            &ControlMessage::TokenRefreshResult(TokenRefreshResult {
                 ok: false,
                 expires_at: None,
                 message: Some("expired".into()),
             }),
             MAX_CONTROL_FRAME,
         );
-        round_trip(ControlMessage::IdentifiersUpdate(Identifiers::default()), MAX_CONTROL_FRAME);
+        round_trip(&ControlMessage::IdentifiersUpdate(Identifiers::default()), MAX_CONTROL_FRAME);
     }
 
     #[test]

@@ -127,11 +127,11 @@ impl Pump {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
-                    if self.needs_flush {
-                        if let Poll::Ready(result) = Pin::new(&mut *writer).poll_flush(cx) {
-                            result?;
-                            self.needs_flush = false;
-                        }
+                    if self.needs_flush
+                        && let Poll::Ready(result) = Pin::new(&mut *writer).poll_flush(cx)
+                    {
+                        result?;
+                        self.needs_flush = false;
                     }
                     return Poll::Pending;
                 }

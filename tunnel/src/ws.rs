@@ -169,11 +169,11 @@ where
                 self.needs_flush = true;
             }
         }
-        if self.needs_flush {
-            if let Poll::Ready(result) = Pin::new(&mut self.ws).poll_flush(cx) {
-                result.map_err(ws_to_io)?;
-                self.needs_flush = false;
-            }
+        if self.needs_flush
+            && let Poll::Ready(result) = Pin::new(&mut self.ws).poll_flush(cx)
+        {
+            result.map_err(ws_to_io)?;
+            self.needs_flush = false;
         }
         Ok(())
     }

@@ -278,3 +278,18 @@ async fn bad_configuration_is_reported_with_the_key_and_the_fix() {
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(err.contains("ping_interval") || err.contains("often"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quick_start_demo_runs_and_passes_its_checks() {
+    let base = 20_000 + fastrand::u16(0..20_000);
+    let output = tokio::process::Command::new(tether_e2e::bins::bin_path("tether-demo"))
+        .args(["--once", "--dials", "20", "--bulk-mib", "4", "--base-port", &base.to_string()])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("All checks passed."), "{stdout}");
+    assert!(stdout.contains("20/20"), "{stdout}");
+    assert!(stdout.contains("curl -p -x http://127.0.0.1:"), "{stdout}");
+}

@@ -83,10 +83,11 @@ fn parse(buf: &[u8]) -> Result<Option<(String, usize)>, HeadError> {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => {
             // A non-CONNECT method is refused as soon as the request line is readable.
-            if let Some(method) = request.method {
-                if method != "CONNECT" && buf.contains(&b'\n') {
-                    return Err(HeadError::NotConnect(printable(method)));
-                }
+            if let Some(method) = request.method
+                && method != "CONNECT"
+                && buf.contains(&b'\n')
+            {
+                return Err(HeadError::NotConnect(printable(method)));
             }
             return Ok(None);
         }
