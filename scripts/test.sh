@@ -11,8 +11,6 @@ cargo build --workspace --bins --locked
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
-  # nextest does not run doctests.
-  cargo test --workspace --locked --doc
 else
   cargo test --workspace --locked "$@"
 fi
