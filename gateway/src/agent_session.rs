@@ -191,8 +191,8 @@ async fn serve(
             }
             stream = incoming.accept() => match stream {
                 Some(stream) => {
-                    let tenant = tenant.clone();
-                    tokio::spawn(async move { refuse_inbound(stream, &tenant).await });
+                    let (tenant, agent_id) = (tenant.clone(), agent_id.clone());
+                    tokio::spawn(async move { serve_inbound(stream, &tenant, &agent_id).await });
                 }
                 None => break CloseReason::ConnectionLost,
             },
@@ -278,20 +278,16 @@ fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &
     }
 }
 
-/// Streams agents open towards the gateway. Node -> control-plane forwarding is denied unless a
-/// tenant allow list permits it; other kinds are not served by the gateway.
-async fn refuse_inbound(mut stream: MuxStream, tenant: &Tenant) {
-    let header = tokio::time::timeout(Duration::from_secs(10), read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
+/// Streams agents open towards the gateway: forward streams go to the allow-listed control-plane
+/// targets; other kinds are refused with a reason.
+async fn serve_inbound(mut stream: MuxStream, tenant: &Tenant, agent_id: &str) {
+    let header = tokio::time::timeout(crate::forward::HEADER_TIMEOUT, read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
+    // A stream that sends nothing, or an oversized or broken header, is reset by dropping it.
     let Ok(Ok(raw)) = header else { return };
     let refusal = match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {
-        Ok(Some((StreamOpen::Forward(request), _))) => StreamResult::refused(
-            ErrorCode::NotAllowed,
-            format!(
-                "forwarding to {:?} is denied: cluster {} has no node_to_controlplane allow list",
-                printable(&request.target),
-                tenant.name
-            ),
-        ),
+        Ok(Some((StreamOpen::Forward(request), _))) => {
+            return crate::forward::serve(stream, tenant, &request.target, agent_id).await;
+        }
         Ok(Some((StreamOpen::Control(_), _))) => {
             StreamResult::refused(ErrorCode::BadRequest, "a session has exactly one control stream")
         }

@@ -157,6 +157,33 @@ pub struct TenantConfig {
     /// Limits for this tenant.
     #[serde(default)]
     pub limits: TenantLimits,
+    /// Control-plane targets the tenant's nodes may reach through their agents (KEP-2025).
+    /// Without it every forward stream is refused.
+    #[serde(default)]
+    pub node_to_controlplane: Option<NodeToControlPlane>,
+}
+
+/// The node -> control-plane allow list of a tenant.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeToControlPlane {
+    /// Named targets; agents ask for a name, never a free address.
+    #[serde(default)]
+    pub targets: Vec<ForwardTarget>,
+}
+
+/// One control-plane target agents may forward to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForwardTarget {
+    /// The name agents use, e.g. `kube-apiserver`.
+    pub name: String,
+    /// `host:port` the gateway connects to.
+    pub address: String,
+    /// Networks the resolved address must fall in. Required when `address` is a DNS name, so a
+    /// name that starts resolving elsewhere (DNS rebinding) is refused; an IP literal allows itself.
+    #[serde(default)]
+    pub allowed_networks: Vec<ipnet::IpNet>,
 }
 
 /// Token checks for a tenant's agents.
@@ -474,6 +501,36 @@ impl GatewayConfig {
             }
             if limits.dial_timeout.0 < Duration::from_millis(100) {
                 problems.push(problem(key("limits.dial_timeout"), "must be at least 100ms (default 10s)"));
+            }
+            if let Some(n2c) = &tenant.node_to_controlplane {
+                let mut target_names = HashSet::new();
+                for (t, target) in n2c.targets.iter().enumerate() {
+                    let tkey = |field: &str| key(&format!("node_to_controlplane.targets[{t}].{field}"));
+                    if !valid_name(&target.name) {
+                        problems.push(problem(
+                            tkey("name"),
+                            format!("{:?} is not a valid name; use lowercase letters, digits and '-'", target.name),
+                        ));
+                    } else if !target_names.insert(target.name.clone()) {
+                        problems.push(problem(tkey("name"), format!("{:?} is listed twice", target.name)));
+                    }
+                    match crate::target::DialTarget::parse(&target.address) {
+                        Err(e) => problems.push(problem(tkey("address"), e)),
+                        Ok(parsed) => {
+                            if matches!(parsed.host, crate::target::TargetHost::Name(_))
+                                && target.allowed_networks.is_empty()
+                            {
+                                problems.push(problem(
+                                    tkey("allowed_networks"),
+                                    format!(
+                                        "{} is a DNS name: list the networks its addresses may be in, e.g. [10.96.0.0/12]",
+                                        target.address
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                }
             }
         }
         problems

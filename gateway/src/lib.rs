@@ -3,6 +3,7 @@
 //!
 //! Data flows one way: [`agent_endpoint`] (upgrade, auth) -> [`agent_session`] (control stream,
 //! registration) -> [`registry`] (routing) <- [`dial`] <- [`frontend`] (CONNECT from the KAS).
+//! Node -> control-plane streams go from [`agent_session`] to [`forward`] (the tenant's allow list).
 
 #![forbid(unsafe_code)]
 
@@ -12,6 +13,7 @@ pub mod agent_session;
 pub mod auth;
 pub mod config;
 pub mod dial;
+pub mod forward;
 pub mod frontend;
 pub mod metrics;
 pub mod registry;

@@ -17,6 +17,14 @@ pub const BYTES: &str = "tether_gateway_bytes_total";
 pub const TOKEN_REFRESHES: &str = "tether_gateway_token_refreshes_total";
 /// Sessions closed by tenant and reason.
 pub const SESSIONS_CLOSED: &str = "tether_gateway_sessions_closed_total";
+/// Forward streams (node -> control plane) by tenant, target and result.
+pub const FORWARDS: &str = "tether_gateway_forwards_total";
+/// Forwarded connections open, by tenant and target.
+pub const FORWARDS_OPEN: &str = "tether_gateway_forwards_open";
+/// Forwarded bytes by tenant, target and direction (`to_controlplane`, `from_controlplane`).
+pub const FORWARD_BYTES: &str = "tether_gateway_forward_bytes_total";
+/// Time to connect to a control-plane target, by tenant and target.
+pub const FORWARD_CONNECT_DURATION: &str = "tether_gateway_forward_connect_duration_seconds";
 /// 1 while the gateway is draining.
 pub const DRAINING: &str = "tether_gateway_draining";
 /// Build information.
@@ -33,6 +41,10 @@ pub fn describe() {
     describe_counter!(BYTES, Unit::Bytes, "Bytes tunnelled by direction.");
     describe_counter!(TOKEN_REFRESHES, "Token refreshes on live sessions by result.");
     describe_counter!(SESSIONS_CLOSED, "Agent sessions closed by reason.");
+    describe_counter!(FORWARDS, "Forward streams (node to control plane) by target and result.");
+    describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
+    describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");
+    describe_histogram!(FORWARD_CONNECT_DURATION, Unit::Seconds, "Time to connect to a control-plane target.");
     describe_gauge!(DRAINING, "1 while the gateway is draining.");
     describe_gauge!(BUILD_INFO, "Build information.");
     metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);

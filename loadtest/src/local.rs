@@ -63,6 +63,9 @@ pub struct AgentSpec {
 /// A change applied to the gateway configuration before start.
 pub type GatewayTweak = Box<dyn FnOnce(&mut GatewayConfig) + Send>;
 
+/// A change applied to each agent's configuration (with the agent's id) before it starts.
+pub type AgentTweak = Arc<dyn Fn(&str, &mut AgentConfig) + Send + Sync>;
+
 /// What to deploy.
 pub struct LocalOptions {
     /// Tenant name.
@@ -77,6 +80,8 @@ pub struct LocalOptions {
     pub ping_interval: Duration,
     /// Adjusts the gateway configuration before start.
     pub tweak_gateway: Option<GatewayTweak>,
+    /// Adjusts every agent's configuration before it starts.
+    pub tweak_agent: Option<AgentTweak>,
 }
 
 impl Default for LocalOptions {
@@ -88,6 +93,7 @@ impl Default for LocalOptions {
             agents: Vec::new(),
             ping_interval: Duration::from_secs(20),
             tweak_gateway: None,
+            tweak_agent: None,
         }
     }
 }
@@ -104,6 +110,8 @@ pub struct LocalAgent {
     pub admin: Option<SocketAddr>,
     /// Its token file.
     pub token_file: PathBuf,
+    /// Its node -> control-plane listeners: (bound address, target).
+    pub forward_addrs: Vec<(SocketAddr, String)>,
     task: JoinHandle<anyhow::Result<()>>,
 }
 
@@ -141,6 +149,7 @@ pub struct LocalDeployment {
     options_host: String,
     tls: bool,
     ping_interval: Duration,
+    tweak_agent: Option<AgentTweak>,
 }
 
 impl LocalDeployment {
@@ -182,6 +191,7 @@ impl LocalDeployment {
                 tether_gateway::config::RoutingStrategy::LeastLoaded,
             ],
             limits: TenantLimits::default(),
+            node_to_controlplane: None,
         }];
         if let Some(tweak) = options.tweak_gateway.take() {
             tweak(&mut config);
@@ -210,6 +220,7 @@ impl LocalDeployment {
             options_host: options.host.clone(),
             tls: options.tls,
             ping_interval: options.ping_interval,
+            tweak_agent: options.tweak_agent.take(),
         };
         for spec in options.agents {
             deployment.add_agent(spec).await?;
@@ -252,6 +263,9 @@ impl LocalDeployment {
             default_route: spec.default_route,
         };
         config.allow = spec.allow.clone();
+        if let Some(tweak) = &self.tweak_agent {
+            tweak(&spec.id, &mut config);
+        }
         Ok(config)
     }
 
@@ -265,8 +279,9 @@ impl LocalDeployment {
         let state = agent.state();
         let stop = agent.stop_token();
         let admin = agent.admin_addr();
+        let forward_addrs = agent.forward_addrs();
         let task = tokio::spawn(agent.run(std::future::pending()));
-        self.agents.push(LocalAgent { id: spec.id, state, stop, admin, token_file, task });
+        self.agents.push(LocalAgent { id: spec.id, state, stop, admin, token_file, forward_addrs, task });
         Ok(())
     }
 

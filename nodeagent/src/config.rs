@@ -27,6 +27,12 @@ pub struct AgentConfig {
     /// What the gateway may dial through this agent. Nothing is allowed unless listed.
     #[serde(default)]
     pub allow: Vec<AllowRule>,
+    /// Node -> control-plane listeners: each accepts TCP and forwards it to a named target.
+    #[serde(default)]
+    pub listeners: Vec<ListenerConfig>,
+    /// How long a node-side connection waits for a session to the gateway (e.g. during a restart).
+    #[serde(default = "defaults::forward_wait")]
+    pub forward_wait: HumanDuration,
     /// Longest time a dial to a node-side target may take.
     #[serde(default = "defaults::dial_timeout")]
     pub dial_timeout: HumanDuration,
@@ -107,6 +113,16 @@ pub struct AllowRule {
     pub ports: Vec<PortSpec>,
 }
 
+/// A node -> control-plane listener.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// Address to listen on, usually a host-scoped address such as `100.64.0.1:6443`.
+    pub bind: SocketAddr,
+    /// Name of the control-plane target (in the tenant's gateway allow list).
+    pub target: String,
+}
+
 /// Logging settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -128,6 +144,9 @@ impl Default for LogConfig {
 mod defaults {
     use super::*;
 
+    pub fn forward_wait() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
     pub fn dial_timeout() -> HumanDuration {
         Duration::from_secs(10).into()
     }
@@ -224,6 +243,21 @@ impl AgentConfig {
                 if let Err(e) = port.range() {
                     problems.push(format!("allow[{i}].ports: {e}"));
                 }
+            }
+        }
+        let mut binds = std::collections::HashSet::new();
+        for (i, listener) in self.listeners.iter().enumerate() {
+            let name = &listener.target;
+            let valid = !name.is_empty()
+                && name.len() <= 63
+                && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            if !valid {
+                problems.push(format!(
+                    "listeners[{i}].target: {name:?} is not a target name; use lowercase letters, digits and '-' as in the gateway's node_to_controlplane list"
+                ));
+            }
+            if !binds.insert(listener.bind) {
+                problems.push(format!("listeners[{i}].bind: {} is listed twice", listener.bind));
             }
         }
         if self.dial_timeout.0 < Duration::from_millis(100) {

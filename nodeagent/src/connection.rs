@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use std::sync::Mutex;
@@ -18,7 +18,7 @@ use tether_tunnel::protocol::{
 };
 use tokio::io::{AsyncRead, WriteHalf};
 
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -49,18 +49,25 @@ pub struct ConnectionContext {
     pub tasks: TaskTracker,
 }
 
-/// Live state of the agent, for readiness and tests.
+/// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
 #[derive(Default)]
 pub struct AgentState {
-    sessions: AtomicUsize,
+    live: Mutex<Vec<LiveEntry>>,
+    next_id: AtomicU64,
     last_error: Mutex<Option<String>>,
-    server_ids: Mutex<Vec<String>>,
+    session_added: Notify,
+}
+
+struct LiveEntry {
+    id: u64,
+    server_id: String,
+    session: Session,
 }
 
 impl AgentState {
     /// Sessions that are up and not draining.
     pub fn live_sessions(&self) -> usize {
-        self.sessions.load(Ordering::Relaxed)
+        self.live.lock().map(|l| l.len()).unwrap_or_default()
     }
 
     /// The last connection error, for `/readyz`.
@@ -76,7 +83,29 @@ impl AgentState {
 
     /// Gateway replicas with a live session.
     pub fn server_ids(&self) -> Vec<String> {
-        self.server_ids.lock().map(|ids| ids.clone()).unwrap_or_default()
+        self.live.lock().map(|l| l.iter().map(|e| e.server_id.clone()).collect()).unwrap_or_default()
+    }
+
+    /// The live session with the fewest open streams (any replica will do for a forward).
+    pub fn pick_session(&self) -> Option<Session> {
+        let live = self.live.lock().ok()?;
+        live.iter().filter(|e| !e.session.is_closed()).min_by_key(|e| e.session.open_streams()).map(|e| e.session.clone())
+    }
+
+    /// A live session, waiting up to `timeout` for one to come up.
+    pub async fn wait_for_session(&self, timeout: Duration) -> Option<Session> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let added = self.session_added.notified();
+            tokio::pin!(added);
+            added.as_mut().enable();
+            if let Some(session) = self.pick_session() {
+                return Some(session);
+            }
+            if tokio::time::timeout_at(deadline, added).await.is_err() {
+                return None;
+            }
+        }
     }
 }
 
@@ -213,7 +242,7 @@ async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishErro
 async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, stop: &CancellationToken) -> SessionEnd {
     let Established { session, mut incoming, control, welcome, mut token } = established;
     metrics::counter!(CONNECTS, "result" => "ok").increment(1);
-    let _live = LiveSession::new(ctx.state.clone(), welcome.server_id.clone());
+    let _live = LiveSession::new(ctx.state.clone(), welcome.server_id.clone(), session.clone());
     tracing::info!(server = %welcome.server_id, agent_id = %welcome.agent_id, "connected to the gateway");
 
     let (control_read, mut control_write) = tokio::io::split(control);
@@ -345,31 +374,29 @@ pub async fn read_token(path: &Path) -> Result<String, EstablishError> {
     Ok(token.to_owned())
 }
 
-/// Counts a live session in the agent state and the sessions gauge.
+/// Lists a live session in the agent state and the sessions gauge until dropped.
 struct LiveSession {
     state: Arc<AgentState>,
-    server_id: String,
+    id: u64,
 }
 
 impl LiveSession {
-    fn new(state: Arc<AgentState>, server_id: String) -> Self {
-        state.sessions.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut ids) = state.server_ids.lock() {
-            ids.push(server_id.clone());
+    fn new(state: Arc<AgentState>, server_id: String, session: Session) -> Self {
+        let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut live) = state.live.lock() {
+            live.push(LiveEntry { id, server_id, session });
         }
+        state.session_added.notify_waiters();
         metrics::gauge!(SESSIONS).increment(1.0);
-        Self { state, server_id }
+        Self { state, id }
     }
 }
 
 impl Drop for LiveSession {
     fn drop(&mut self) {
-        self.state.sessions.fetch_sub(1, Ordering::Relaxed);
-        metrics::gauge!(SESSIONS).decrement(1.0);
-        if let Ok(mut ids) = self.state.server_ids.lock()
-            && let Some(at) = ids.iter().position(|id| *id == self.server_id)
-        {
-            ids.swap_remove(at);
+        if let Ok(mut live) = self.state.live.lock() {
+            live.retain(|e| e.id != self.id);
         }
+        metrics::gauge!(SESSIONS).decrement(1.0);
     }
 }

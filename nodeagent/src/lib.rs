@@ -9,6 +9,7 @@ pub mod allowlist;
 pub mod config;
 pub mod connection;
 pub mod dialer;
+pub mod forwarder;
 pub mod metrics;
 
 use std::future::Future;
@@ -36,6 +37,8 @@ use dialer::DialPolicy;
 pub struct Agent {
     context: Arc<ConnectionContext>,
     admin: TcpListener,
+    forward_listeners: Vec<forwarder::ForwardListener>,
+    forward_wait: Duration,
     metrics: Option<PrometheusHandle>,
     stop: CancellationToken,
 }
@@ -100,12 +103,34 @@ impl Agent {
         let admin = TcpListener::bind(config.admin_listen)
             .await
             .with_context(|| format!("admin_listen: cannot listen on {}", config.admin_listen))?;
-        Ok(Self { context, admin, metrics, stop: CancellationToken::new() })
+        let mut forward_listeners = Vec::new();
+        for (i, listener) in config.listeners.iter().enumerate() {
+            let bound = TcpListener::bind(listener.bind).await.with_context(|| {
+                format!(
+                    "listeners[{i}].bind: cannot listen on {} (is the host-scoped address configured? see docs/node-to-controlplane.md)",
+                    listener.bind
+                )
+            })?;
+            forward_listeners.push(forwarder::ForwardListener { listener: bound, target: listener.target.as_str().into() });
+        }
+        Ok(Self {
+            context,
+            admin,
+            forward_listeners,
+            forward_wait: config.forward_wait.0,
+            metrics,
+            stop: CancellationToken::new(),
+        })
     }
 
     /// The admin endpoint's address.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin.local_addr().ok()
+    }
+
+    /// The bound node -> control-plane listeners: (address, target).
+    pub fn forward_addrs(&self) -> Vec<(SocketAddr, String)> {
+        self.forward_listeners.iter().filter_map(|l| Some((l.local_addr()?, l.target.to_string()))).collect()
     }
 
     /// Live state (sessions, last error).
@@ -121,7 +146,7 @@ impl Agent {
     /// Runs until `shutdown` resolves or the stop token is cancelled; open streams get a few
     /// seconds to finish.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Self { context, admin, metrics, stop } = self;
+        let Self { context, admin, forward_listeners, forward_wait, metrics, stop } = self;
         crate::metrics::describe();
         let router = admin::router(context.state.clone(), metrics);
         let admin_stop = stop.clone();
@@ -132,6 +157,11 @@ impl Agent {
             }
         });
         let connection = tokio::spawn(connection::maintain(context.clone(), stop.clone()));
+        let forward = forwarder::ForwardContext { state: context.state.clone(), wait: forward_wait, tasks: context.tasks.clone() };
+        for listener in forward_listeners {
+            tracing::info!(bind = ?listener.local_addr(), target = %listener.target, "forwarding node-side connections");
+            tokio::spawn(forwarder::serve(listener, forward.clone(), stop.clone()));
+        }
         tokio::select! {
             () = shutdown => stop.cancel(),
             () = stop.cancelled() => {}

@@ -17,6 +17,15 @@ pub const TOKEN_REFRESHES: &str = "tether_agent_token_refreshes_total";
 /// Drain requests received from gateways.
 pub const DRAINS: &str = "tether_agent_drains_total";
 
+/// Forwarded connections (node -> control plane) by target and result.
+pub const FORWARDS: &str = "tether_agent_forwards_total";
+/// Forwarded connections open, by target.
+pub const FORWARDS_OPEN: &str = "tether_agent_forwards_open";
+/// Forwarded bytes by target and direction (`to_controlplane`, `from_controlplane`).
+pub const FORWARD_BYTES: &str = "tether_agent_forward_bytes_total";
+/// Time from accepting a node-side connection to the gateway's answer, by target.
+pub const FORWARD_CONNECT_DURATION: &str = "tether_agent_forward_connect_duration_seconds";
+
 /// Registers descriptions so `/metrics` carries HELP lines.
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
@@ -28,5 +37,9 @@ pub fn describe() {
     describe_counter!(BYTES, Unit::Bytes, "Bytes tunnelled by direction.");
     describe_counter!(TOKEN_REFRESHES, "Token refreshes sent on live sessions by result.");
     describe_counter!(DRAINS, "Drain requests received from gateways.");
+    describe_counter!(FORWARDS, "Forwarded connections (node to control plane) by target and result.");
+    describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
+    describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");
+    describe_histogram!(FORWARD_CONNECT_DURATION, Unit::Seconds, "Time from a node-side connection to the gateway's answer.");
     metrics::gauge!(SESSIONS).set(0.0);
 }

@@ -1,0 +1,151 @@
+//! Node -> control-plane traffic (KEP-2025): a forward stream names a target; the gateway maps
+//! the name through the tenant's allow list, resolves it, checks every resolved address against
+//! the target's allowed networks, connects, and splices raw bytes (TLS is never terminated, so
+//! clients see the control plane's own certificate). Nothing is allowed unless listed.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use tether_tunnel::framed::write_frame;
+use tether_tunnel::mux::MuxStream;
+use tether_tunnel::protocol::{ErrorCode, MAX_STREAM_FRAME, StreamResult};
+use tether_tunnel::splice::{Direction, splice};
+use tokio::net::TcpStream;
+
+use crate::config::ForwardTarget;
+use crate::metrics::{FORWARD_BYTES, FORWARD_CONNECT_DURATION, FORWARDS, FORWARDS_OPEN};
+use crate::target::{DialTarget, TargetHost};
+use crate::tenant::Tenant;
+
+/// Serves one forward stream from an agent of `tenant`.
+pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agent_id: &str) {
+    let listed = tenant
+        .config
+        .node_to_controlplane
+        .as_ref()
+        .and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
+    // Metric labels: configured names only; anything else an agent sends is "unlisted".
+    let label = listed.map(|t| t.name.clone()).unwrap_or_else(|| "unlisted".into());
+    let started = Instant::now();
+    let outcome = match listed {
+        Some(target) => connect(tenant, target).await,
+        None if tenant.config.node_to_controlplane.is_none() => Err(StreamResult::refused(
+            ErrorCode::NotAllowed,
+            format!("cluster {} allows no node-to-control-plane traffic (no node_to_controlplane list)", tenant.name),
+        )),
+        None => Err(StreamResult::refused(
+            ErrorCode::NotAllowed,
+            format!("{:?} is not on cluster {}'s node_to_controlplane list", printable(requested), tenant.name),
+        )),
+    };
+    let result_label = match &outcome {
+        Ok(_) => "ok",
+        Err(refusal) => refusal.code.map(|c| c.as_str()).unwrap_or("other"),
+    };
+    metrics::counter!(FORWARDS, "tenant" => tenant.name.to_string(), "target" => label.clone(), "result" => result_label)
+        .increment(1);
+    let (mut upstream, _permit) = match outcome {
+        Ok(connected) => connected,
+        Err(refusal) => {
+            tracing::info!(
+                tenant = %tenant.name,
+                agent = %agent_id,
+                target = %printable(requested),
+                reason = refusal.message.as_deref().unwrap_or_default(),
+                "forward refused"
+            );
+            let _ = write_frame(&mut stream, &refusal, MAX_STREAM_FRAME).await;
+            return;
+        }
+    };
+    metrics::histogram!(FORWARD_CONNECT_DURATION, "tenant" => tenant.name.to_string(), "target" => label.clone())
+        .record(started.elapsed().as_secs_f64());
+    if write_frame(&mut stream, &StreamResult::ok(), MAX_STREAM_FRAME).await.is_err() {
+        return;
+    }
+    let open = metrics::gauge!(FORWARDS_OPEN, "tenant" => tenant.name.to_string(), "target" => label.clone());
+    open.increment(1.0);
+    let to_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label.clone(), "direction" => "to_controlplane");
+    let from_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label, "direction" => "from_controlplane");
+    let copied = splice(&mut stream, &mut upstream, |direction, n| match direction {
+        Direction::AToB => to_cp.increment(n as u64),
+        Direction::BToA => from_cp.increment(n as u64),
+    })
+    .await;
+    open.decrement(1.0);
+    if let Err(e) = copied {
+        tracing::debug!(tenant = %tenant.name, agent = %agent_id, error = %e, "forwarded connection ended with an error");
+    }
+}
+
+/// Resolves and connects to a listed target, within the tenant's limits.
+async fn connect(
+    tenant: &Tenant,
+    target: &ForwardTarget,
+) -> Result<(TcpStream, tokio::sync::OwnedSemaphorePermit), StreamResult> {
+    let limits = &tenant.config.limits;
+    let permit = tenant.streams.clone().try_acquire_owned().map_err(|_| {
+        StreamResult::refused(ErrorCode::LimitExceeded, format!("cluster stream limit ({}) reached", limits.max_streams))
+    })?;
+    let _pending = tenant.pending_dials.try_acquire().map_err(|_| {
+        StreamResult::refused(ErrorCode::LimitExceeded, format!("cluster pending-dial limit ({}) reached", limits.max_pending_dials))
+    })?;
+    let timeout = limits.dial_timeout.0;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let timed_out = || {
+        StreamResult::refused(ErrorCode::Timeout, format!("connecting to {} timed out after {} ms", target.name, timeout.as_millis()))
+    };
+    let parsed = DialTarget::parse(&target.address)
+        .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("target {} is misconfigured: {e}", target.name)))?;
+    let candidates: Vec<SocketAddr> = match &parsed.host {
+        TargetHost::Ip(ip) => vec![SocketAddr::new(*ip, parsed.port)],
+        TargetHost::Name(name) => tokio::time::timeout_at(deadline, tokio::net::lookup_host((name.as_str(), parsed.port)))
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {name}: {e}")))?
+            .collect(),
+    };
+    let allowed: Vec<SocketAddr> = candidates.iter().copied().filter(|a| address_allowed(target, &parsed, a.ip())).collect();
+    if allowed.is_empty() {
+        let shown: Vec<String> = candidates.iter().take(4).map(|a| a.ip().to_string()).collect();
+        return Err(StreamResult::refused(
+            ErrorCode::NotAllowed,
+            format!(
+                "target {} resolves to {} which is outside its allowed networks",
+                target.name,
+                if shown.is_empty() { "nothing".to_owned() } else { shown.join(", ") }
+            ),
+        ));
+    }
+    let mut last_error = String::new();
+    for addr in allowed {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
+            Err(_) => return Err(timed_out()),
+            Ok(Ok(upstream)) => {
+                let _ = upstream.set_nodelay(true);
+                return Ok((upstream, permit));
+            }
+            Ok(Err(e)) => last_error = format!("{addr}: {e}"),
+        }
+    }
+    Err(StreamResult::refused(ErrorCode::DialFailed, format!("cannot connect to {}: {last_error}", target.name)))
+}
+
+/// An IP literal target allows exactly itself; a DNS name allows addresses in its networks.
+fn address_allowed(target: &ForwardTarget, parsed: &DialTarget, ip: IpAddr) -> bool {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    };
+    match parsed.host {
+        TargetHost::Ip(listed) => listed == ip || target.allowed_networks.iter().any(|n| n.contains(&ip)),
+        TargetHost::Name(_) => target.allowed_networks.iter().any(|n| n.contains(&ip)),
+    }
+}
+
+fn printable(s: &str) -> String {
+    s.chars().filter(|c| c.is_ascii_graphic()).take(64).collect()
+}
+
+/// How long forward streams may take to send their header (also used by the session).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
