@@ -6,6 +6,9 @@ set -euo pipefail
 need=()
 command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v nc >/dev/null 2>&1 || need+=(netcat-openbsd)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v nginx >/dev/null 2>&1 || need+=(nginx)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing test dependencies: ${need[*]}"

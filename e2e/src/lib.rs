@@ -6,4 +6,5 @@
 
 pub mod bins;
 pub mod checksum;
+pub mod netns;
 pub mod proc;

@@ -281,7 +281,8 @@ fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &
 /// Streams agents open towards the gateway: forward streams go to the allow-listed control-plane
 /// targets; other kinds are refused with a reason.
 async fn serve_inbound(mut stream: MuxStream, tenant: &Tenant, agent_id: &str) {
-    let header = tokio::time::timeout(crate::forward::HEADER_TIMEOUT, read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
+    let header =
+        tokio::time::timeout(crate::forward::HEADER_TIMEOUT, read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
     // A stream that sends nothing, or an oversized or broken header, is reset by dropping it.
     let Ok(Ok(raw)) = header else { return };
     let refusal = match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {

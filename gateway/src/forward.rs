@@ -19,11 +19,8 @@ use crate::tenant::Tenant;
 
 /// Serves one forward stream from an agent of `tenant`.
 pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agent_id: &str) {
-    let listed = tenant
-        .config
-        .node_to_controlplane
-        .as_ref()
-        .and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
+    let listed =
+        tenant.config.node_to_controlplane.as_ref().and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
     // Metric labels: configured names only; anything else an agent sends is "unlisted".
     let label = listed.map(|t| t.name.clone()).unwrap_or_else(|| "unlisted".into());
     let started = Instant::now();
@@ -85,27 +82,40 @@ async fn connect(
 ) -> Result<(TcpStream, tokio::sync::OwnedSemaphorePermit), StreamResult> {
     let limits = &tenant.config.limits;
     let permit = tenant.streams.clone().try_acquire_owned().map_err(|_| {
-        StreamResult::refused(ErrorCode::LimitExceeded, format!("cluster stream limit ({}) reached", limits.max_streams))
+        StreamResult::refused(
+            ErrorCode::LimitExceeded,
+            format!("cluster stream limit ({}) reached", limits.max_streams),
+        )
     })?;
     let _pending = tenant.pending_dials.try_acquire().map_err(|_| {
-        StreamResult::refused(ErrorCode::LimitExceeded, format!("cluster pending-dial limit ({}) reached", limits.max_pending_dials))
+        StreamResult::refused(
+            ErrorCode::LimitExceeded,
+            format!("cluster pending-dial limit ({}) reached", limits.max_pending_dials),
+        )
     })?;
     let timeout = limits.dial_timeout.0;
     let deadline = tokio::time::Instant::now() + timeout;
     let timed_out = || {
-        StreamResult::refused(ErrorCode::Timeout, format!("connecting to {} timed out after {} ms", target.name, timeout.as_millis()))
+        StreamResult::refused(
+            ErrorCode::Timeout,
+            format!("connecting to {} timed out after {} ms", target.name, timeout.as_millis()),
+        )
     };
-    let parsed = DialTarget::parse(&target.address)
-        .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("target {} is misconfigured: {e}", target.name)))?;
+    let parsed = DialTarget::parse(&target.address).map_err(|e| {
+        StreamResult::refused(ErrorCode::DialFailed, format!("target {} is misconfigured: {e}", target.name))
+    })?;
     let candidates: Vec<SocketAddr> = match &parsed.host {
         TargetHost::Ip(ip) => vec![SocketAddr::new(*ip, parsed.port)],
-        TargetHost::Name(name) => tokio::time::timeout_at(deadline, tokio::net::lookup_host((name.as_str(), parsed.port)))
-            .await
-            .map_err(|_| timed_out())?
-            .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {name}: {e}")))?
-            .collect(),
+        TargetHost::Name(name) => {
+            tokio::time::timeout_at(deadline, tokio::net::lookup_host((name.as_str(), parsed.port)))
+                .await
+                .map_err(|_| timed_out())?
+                .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {name}: {e}")))?
+                .collect()
+        }
     };
-    let allowed: Vec<SocketAddr> = candidates.iter().copied().filter(|a| address_allowed(target, &parsed, a.ip())).collect();
+    let allowed: Vec<SocketAddr> =
+        candidates.iter().copied().filter(|a| address_allowed(target, &parsed, a.ip())).collect();
     if allowed.is_empty() {
         let shown: Vec<String> = candidates.iter().take(4).map(|a| a.ip().to_string()).collect();
         return Err(StreamResult::refused(

@@ -256,7 +256,7 @@ impl AgentConfig {
                     "listeners[{i}].target: {name:?} is not a target name; use lowercase letters, digits and '-' as in the gateway's node_to_controlplane list"
                 ));
             }
-            if !binds.insert(listener.bind) {
+            if listener.bind.port() != 0 && !binds.insert(listener.bind) {
                 problems.push(format!("listeners[{i}].bind: {} is listed twice", listener.bind));
             }
         }

@@ -89,7 +89,10 @@ impl AgentState {
     /// The live session with the fewest open streams (any replica will do for a forward).
     pub fn pick_session(&self) -> Option<Session> {
         let live = self.live.lock().ok()?;
-        live.iter().filter(|e| !e.session.is_closed()).min_by_key(|e| e.session.open_streams()).map(|e| e.session.clone())
+        live.iter()
+            .filter(|e| !e.session.is_closed())
+            .min_by_key(|e| e.session.open_streams())
+            .map(|e| e.session.clone())
     }
 
     /// A live session, waiting up to `timeout` for one to come up.

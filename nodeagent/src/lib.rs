@@ -111,7 +111,8 @@ impl Agent {
                     listener.bind
                 )
             })?;
-            forward_listeners.push(forwarder::ForwardListener { listener: bound, target: listener.target.as_str().into() });
+            forward_listeners
+                .push(forwarder::ForwardListener { listener: bound, target: listener.target.as_str().into() });
         }
         Ok(Self {
             context,
@@ -157,7 +158,11 @@ impl Agent {
             }
         });
         let connection = tokio::spawn(connection::maintain(context.clone(), stop.clone()));
-        let forward = forwarder::ForwardContext { state: context.state.clone(), wait: forward_wait, tasks: context.tasks.clone() };
+        let forward = forwarder::ForwardContext {
+            state: context.state.clone(),
+            wait: forward_wait,
+            tasks: context.tasks.clone(),
+        };
         for listener in forward_listeners {
             tracing::info!(bind = ?listener.local_addr(), target = %listener.target, "forwarding node-side connections");
             tokio::spawn(forwarder::serve(listener, forward.clone(), stop.clone()));

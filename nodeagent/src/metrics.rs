@@ -40,6 +40,10 @@ pub fn describe() {
     describe_counter!(FORWARDS, "Forwarded connections (node to control plane) by target and result.");
     describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
     describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");
-    describe_histogram!(FORWARD_CONNECT_DURATION, Unit::Seconds, "Time from a node-side connection to the gateway's answer.");
+    describe_histogram!(
+        FORWARD_CONNECT_DURATION,
+        Unit::Seconds,
+        "Time from a node-side connection to the gateway's answer."
+    );
     metrics::gauge!(SESSIONS).set(0.0);
 }

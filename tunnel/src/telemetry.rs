@@ -40,8 +40,9 @@ pub const LATENCY_BUCKETS: &[f64] =
 /// Installs the process-wide Prometheus recorder (once) and returns its handle; metrics whose
 /// name ends in `_seconds` become histograms with [`LATENCY_BUCKETS`].
 pub fn install_metrics() -> Result<PrometheusHandle, String> {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
-    if let Some(handle) = HANDLE.get() {
+    static HANDLE: std::sync::Mutex<Option<PrometheusHandle>> = std::sync::Mutex::new(None);
+    let mut installed = HANDLE.lock().map_err(|_| "metrics set-up panicked earlier".to_owned())?;
+    if let Some(handle) = installed.as_ref() {
         return Ok(handle.clone());
     }
     let handle = PrometheusBuilder::new()
@@ -49,7 +50,7 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
         .map_err(|e| e.to_string())?
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
-    let _ = HANDLE.set(handle.clone());
+    *installed = Some(handle.clone());
     let upkeep = handle.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));

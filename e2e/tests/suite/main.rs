@@ -4,6 +4,8 @@
 
 mod auth;
 mod binaries;
+mod forward;
 mod resilience;
 mod support;
+mod topology;
 mod tunnel;

@@ -1,0 +1,177 @@
+//! Node -> control-plane forwarding in one process: agent listeners, the gateway's allow list,
+//! refusals, bulk integrity, many clients, and a gateway restart under a bound listener.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_agent::config::ListenerConfig;
+use tether_e2e::bins::{http_get, metric_sum};
+use tether_e2e::checksum::Checksum;
+use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
+use tether_loadtest::backends;
+use tether_loadtest::local::{LocalDeployment, LocalOptions, loopback};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::{echo_server, node_listener};
+
+/// A deployment whose single agent listens for `targets` (by name) and whose tenant allows `allowed`.
+async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<ForwardTarget>>) -> LocalDeployment {
+    let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
+    let deployment = LocalDeployment::start(LocalOptions {
+        tenant: tenant.into(),
+        host: format!("{tenant}.tether.local"),
+        agents: vec![tether_loadtest::local::AgentSpec {
+            id: "node-1".into(),
+            addresses: vec![],
+            allow: vec![],
+            default_route: false,
+        }],
+        tweak_gateway: Some(Box::new(move |config| {
+            config.tenants[0].node_to_controlplane = allowed.map(|targets| NodeToControlPlane { targets });
+        })),
+        tweak_agent: Some(Arc::new(move |_, config| {
+            config.forward_wait = Duration::from_secs(10).into();
+            config.listeners =
+                names.iter().map(|name| ListenerConfig { bind: loopback(0), target: name.clone() }).collect();
+        })),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
+    deployment
+}
+
+fn target(name: &str, address: SocketAddr) -> ForwardTarget {
+    ForwardTarget { name: name.into(), address: address.to_string(), allowed_networks: vec![] }
+}
+
+fn listener_for(deployment: &LocalDeployment, name: &str) -> SocketAddr {
+    deployment.agents[0].forward_addrs.iter().find(|(_, t)| t == name).map(|(a, _)| *a).unwrap()
+}
+
+/// Sends `len` random bytes through an echo and checks what comes back.
+async fn echo_checksummed(addr: SocketAddr, len: usize, seed: u64) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let payload: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+    let expected = Checksum::of(&payload);
+    let (mut read, mut write) = TcpStream::connect(addr).await.unwrap().into_split();
+    let writer = tokio::spawn(async move {
+        write.write_all(&payload).await.unwrap();
+        write.shutdown().await.unwrap();
+    });
+    let mut got = Vec::with_capacity(len);
+    tokio::time::timeout(Duration::from_secs(60), read.read_to_end(&mut got)).await.unwrap().unwrap();
+    writer.await.unwrap();
+    assert_eq!(got.len(), len);
+    assert_eq!(Checksum::of(&got), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_bytes_arrive_intact_both_ways_for_many_clients() {
+    let control_plane = echo_server().await;
+    let d = deployment("fwd-bulk", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)])).await;
+    let listener = listener_for(&d, "kube-apiserver");
+    // One large transfer, then 200 concurrent clients.
+    echo_checksummed(listener, 32 << 20, 1).await;
+    let clients: Vec<_> =
+        (0..200).map(|i| tokio::spawn(echo_checksummed(listener, fastrand::usize(1..200_000), i))).collect();
+    for client in clients {
+        client.await.unwrap();
+    }
+    let (_, metrics) = http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-bulk\",target=\"kube-apiserver\",result=\"ok\""
+        ),
+        201.0,
+        "{metrics}"
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlisted_targets_and_tenants_without_a_list_are_refused() {
+    let control_plane = echo_server().await;
+    // localhost resolves to loopback, which this target's allowed networks exclude.
+    let rebinding = ForwardTarget {
+        name: "rebound".into(),
+        address: format!("localhost:{}", control_plane.port()),
+        allowed_networks: vec!["10.96.0.0/12".parse().unwrap()],
+    };
+    let d = deployment(
+        "fwd-deny",
+        &["kube-apiserver", "etcd", "rebound"],
+        Some(vec![target("kube-apiserver", control_plane), rebinding]),
+    )
+    .await;
+    for name in ["etcd", "rebound"] {
+        let mut client = TcpStream::connect(listener_for(&d, name)).await.unwrap();
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf)).await.unwrap().unwrap_or(0);
+        assert_eq!(n, 0, "{name}: a refused forward closes the node-side connection");
+    }
+    // The agent keeps serving what is allowed.
+    echo_checksummed(listener_for(&d, "kube-apiserver"), 100_000, 7).await;
+    let (_, metrics) = http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-deny\",target=\"unlisted\",result=\"not_allowed\""
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-deny\",target=\"rebound\",result=\"not_allowed\""
+        ),
+        1.0
+    );
+    assert_eq!(metric_sum(&metrics, "tether_agent_forwards_total", "target=\"etcd\",result=\"not_allowed\""), 1.0);
+    d.shutdown().await;
+
+    // A tenant with no node_to_controlplane list refuses everything.
+    let d = deployment("fwd-none", &["kube-apiserver"], None).await;
+    let mut client = TcpStream::connect(listener_for(&d, "kube-apiserver")).await.unwrap();
+    let mut buf = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf)).await.unwrap().unwrap_or(0);
+    assert_eq!(n, 0);
+    let (_, metrics) = http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-none\",target=\"unlisted\",result=\"not_allowed\""
+        ),
+        1.0,
+        "{metrics}"
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_stays_bound_across_a_gateway_restart() {
+    let (listener, control_plane) = node_listener().await;
+    backends::spawn_http(listener, "kube-apiserver".into());
+    let mut d =
+        deployment("fwd-restart", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)])).await;
+    let node_side = listener_for(&d, "kube-apiserver");
+    d.stop_gateway().await;
+    // While the gateway is down the listener still accepts; the connection waits for a session.
+    let mut client = TcpStream::connect(node_side).await.unwrap();
+    client.write_all(b"GET /version HTTP/1.1\r\nHost: kubernetes\r\n\r\n").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    d.start_gateway_again().await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(20), client.read_to_string(&mut response)).await.unwrap().unwrap();
+    assert!(response.contains("hello from kube-apiserver: you asked for /version"), "{response}");
+    d.shutdown().await;
+}
