@@ -41,13 +41,13 @@ type HttpResponse = Response<Full<Bytes>>;
 /// Routes a request on the agent port.
 pub async fn handle(req: Request<Incoming>, conn: ConnInfo, shared: Arc<Shared>) -> Result<HttpResponse, Infallible> {
     Ok(match req.uri().path() {
-        TUNNEL_PATH => tunnel(req, &conn, &shared),
+        TUNNEL_PATH => tunnel(req, &conn, &shared).await,
         "/healthz" => text(StatusCode::OK, "ok"),
         _ => text(StatusCode::NOT_FOUND, "not found; agents connect to /v1/tunnel"),
     })
 }
 
-fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> HttpResponse {
+async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> HttpResponse {
     if req.method() != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "the tunnel endpoint takes GET with a WebSocket upgrade");
     }
@@ -62,8 +62,17 @@ fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> Http
         Ok(key) => key,
         Err(response) => return *response,
     };
-    let identity = match bearer_token(req.headers()).and_then(|token| tenant.verifier.verify(token)) {
+    let verified = match bearer_token(req.headers()) {
+        Ok(token) => tenant.verifier.verify(token).await,
+        Err(e) => Err(e),
+    };
+    let identity = match verified {
         Ok(identity) => identity,
+        Err(e) if e.status() == 503 => {
+            metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
+            tracing::warn!(tenant = %tenant.name, peer = %conn.peer, reason = %e, "agent refused: cannot check its token now");
+            return retry_later("cannot check the token right now; retry shortly");
+        }
         Err(e) => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
             tracing::info!(tenant = %tenant.name, peer = %conn.peer, reason = %e, "agent refused: bad token");

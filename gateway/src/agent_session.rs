@@ -166,7 +166,7 @@ async fn serve(
                     break CloseReason::ProtocolError;
                 }
                 Some(Ok(ControlMessage::TokenRefresh(refresh))) => {
-                    let answer = refresh_token(tenant, &agent_id, &mut subject, &refresh.token);
+                    let answer = refresh_token(tenant, &agent_id, &mut subject, &refresh.token).await;
                     if let Some(expires_at) = answer.expires_at.filter(|_| answer.ok) {
                         expiry.as_mut().reset(deadline(expires_at));
                     }
@@ -258,13 +258,13 @@ async fn refuse_hello(control: &mut MuxStream, tenant: &Tenant, peer: SocketAddr
 }
 
 /// Checks a refreshed token: valid for the tenant and for the same subject as the session's.
-fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &str) -> TokenRefreshResult {
+async fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &str) -> TokenRefreshResult {
     let refused = |message: String, label: &'static str| {
         metrics::counter!(TOKEN_REFRESHES, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
         tracing::warn!(tenant = %tenant.name, agent = %agent_id, reason = %message, "token refresh refused");
         TokenRefreshResult { ok: false, expires_at: None, message: Some(message) }
     };
-    match tenant.verifier.verify(token) {
+    match tenant.verifier.verify(token).await {
         Err(e) => refused(e.to_string(), e.label()),
         Ok(identity) if identity.subject != *subject => {
             refused("the new token is for a different subject".into(), "subject_changed")

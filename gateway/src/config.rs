@@ -197,14 +197,82 @@ pub struct AuthConfig {
     /// Accepted signature algorithms.
     #[serde(default = "defaults::algorithms")]
     pub algorithms: Vec<String>,
-    /// A JWKS file holding the issuer's public keys.
-    pub jwks_file: PathBuf,
+    /// Keys from a JWKS file (re-read on refresh).
+    #[serde(default)]
+    pub jwks_file: Option<PathBuf>,
+    /// Keys from a JWKS URL.
+    #[serde(default)]
+    pub jwks_url: Option<String>,
+    /// Keys by OIDC discovery: `<issuer>/.well-known/openid-configuration` -> `jwks_uri`.
+    #[serde(default)]
+    pub oidc_discovery: bool,
+    /// Ask the tenant's kube-apiserver (TokenReview) instead of checking signatures locally.
+    #[serde(default)]
+    pub token_review: Option<TokenReviewConfig>,
+    /// A shared HMAC secret (at least 32 bytes); the only way to accept HS256/HS384/HS512.
+    #[serde(default)]
+    pub hmac_secret_file: Option<PathBuf>,
+    /// How keys are fetched over HTTPS (JWKS URL, discovery).
+    #[serde(default)]
+    pub fetch: FetchConfig,
     /// If set, only these subjects (`system:serviceaccount:<ns>:<name>`) may connect.
     #[serde(default)]
     pub allowed_subjects: Vec<String>,
     /// Clock skew tolerated on `exp` and `nbf`.
     #[serde(default = "defaults::leeway")]
     pub leeway: HumanDuration,
+}
+
+/// Fetching an issuer's keys over HTTPS.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FetchConfig {
+    /// CA bundle for the issuer's certificate (default: the system roots).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Bearer token sent when fetching (kube-apiserver may require one).
+    #[serde(default)]
+    pub bearer_token_file: Option<PathBuf>,
+    /// Limit per request.
+    #[serde(default = "defaults::fetch_timeout")]
+    pub timeout: HumanDuration,
+    /// Keys are re-fetched this often.
+    #[serde(default = "defaults::refresh_interval")]
+    pub refresh_interval: HumanDuration,
+    /// An unknown key id triggers a refresh at most this often.
+    #[serde(default = "defaults::min_refresh_interval")]
+    pub min_refresh_interval: HumanDuration,
+}
+
+impl Default for FetchConfig {
+    fn default() -> Self {
+        Self {
+            ca_file: None,
+            bearer_token_file: None,
+            timeout: defaults::fetch_timeout(),
+            refresh_interval: defaults::refresh_interval(),
+            min_refresh_interval: defaults::min_refresh_interval(),
+        }
+    }
+}
+
+/// Checking tokens with the tenant's kube-apiserver.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenReviewConfig {
+    /// The kube-apiserver, e.g. `https://10.0.12.7:6443`.
+    pub server: String,
+    /// CA bundle for its certificate.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Token of an identity allowed to create TokenReviews (`system:auth-delegator`).
+    pub bearer_token_file: PathBuf,
+    /// How long an answer is reused.
+    #[serde(default = "defaults::review_cache_ttl")]
+    pub cache_ttl: HumanDuration,
+    /// Limit per request.
+    #[serde(default = "defaults::fetch_timeout")]
+    pub timeout: HumanDuration,
 }
 
 /// Where a tenant's kube-apiserver reaches the gateway (HTTP CONNECT, Konnectivity http-connect mode).
@@ -316,6 +384,18 @@ mod defaults {
     pub fn algorithms() -> Vec<String> {
         vec!["RS256".into(), "ES256".into()]
     }
+    pub fn fetch_timeout() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn refresh_interval() -> HumanDuration {
+        Duration::from_secs(300).into()
+    }
+    pub fn min_refresh_interval() -> HumanDuration {
+        Duration::from_secs(10).into()
+    }
+    pub fn review_cache_ttl() -> HumanDuration {
+        Duration::from_secs(60).into()
+    }
     pub fn leeway() -> HumanDuration {
         Duration::from_secs(30).into()
     }
@@ -347,10 +427,12 @@ fn problem(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError { key: key.into(), problem: problem.into() }
 }
 
-/// Algorithms a tenant may allow. HMAC needs a shared secret and is not accepted here; `none`
-/// never is.
+/// Asymmetric algorithms a tenant may allow. `none` never is.
 pub const SUPPORTED_ALGORITHMS: &[&str] =
     &["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA"];
+
+/// HMAC algorithms, accepted only with an explicit `auth.hmac_secret_file`.
+pub const HMAC_ALGORITHMS: &[&str] = &["HS256", "HS384", "HS512"];
 
 impl GatewayConfig {
     /// Loads the file (if any) plus environment overrides, then validates.
@@ -435,15 +517,70 @@ impl GatewayConfig {
             if auth.algorithms.is_empty() {
                 problems.push(problem(key("auth.algorithms"), "list at least one algorithm, e.g. [RS256, ES256]"));
             }
+            let hmac = auth.hmac_secret_file.is_some();
             for alg in &auth.algorithms {
-                if !SUPPORTED_ALGORITHMS.contains(&alg.as_str()) {
+                let asymmetric = SUPPORTED_ALGORITHMS.contains(&alg.as_str());
+                let symmetric = HMAC_ALGORITHMS.contains(&alg.as_str());
+                if symmetric && !hmac {
+                    problems.push(problem(
+                        key("auth.algorithms"),
+                        format!("{alg:?} is not accepted without auth.hmac_secret_file (a shared secret)"),
+                    ));
+                } else if !asymmetric && !symmetric {
                     problems.push(problem(
                         key("auth.algorithms"),
                         format!("{alg:?} is not accepted; choose from {}", SUPPORTED_ALGORITHMS.join(", ")),
                     ));
+                } else if hmac && asymmetric {
+                    problems.push(problem(
+                        key("auth.algorithms"),
+                        format!("{alg:?} cannot be used with a shared secret; list only HS256, HS384 or HS512"),
+                    ));
                 }
             }
-            check_file(&mut problems, &key("auth.jwks_file"), &auth.jwks_file);
+            let sources = [
+                auth.jwks_file.is_some(),
+                auth.jwks_url.is_some(),
+                auth.oidc_discovery,
+                auth.token_review.is_some(),
+                hmac,
+            ];
+            if sources.iter().filter(|s| **s).count() != 1 {
+                problems.push(problem(
+                    key("auth"),
+                    "set exactly one of jwks_file, jwks_url, oidc_discovery: true, token_review or hmac_secret_file",
+                ));
+            }
+            if let Some(file) = &auth.jwks_file {
+                check_file(&mut problems, &key("auth.jwks_file"), file);
+            }
+            if let Some(url) = &auth.jwks_url {
+                if !url.starts_with("https://") {
+                    problems.push(problem(key("auth.jwks_url"), "must be an https:// URL"));
+                }
+            }
+            if auth.oidc_discovery && !auth.issuer.starts_with("https://") {
+                problems
+                    .push(problem(key("auth.oidc_discovery"), "OIDC discovery needs an https:// issuer (auth.issuer)"));
+            }
+            if let Some(file) = &auth.hmac_secret_file {
+                check_file(&mut problems, &key("auth.hmac_secret_file"), file);
+            }
+            if let Some(file) = &auth.fetch.ca_file {
+                check_file(&mut problems, &key("auth.fetch.ca_file"), file);
+            }
+            if let Some(file) = &auth.fetch.bearer_token_file {
+                check_file(&mut problems, &key("auth.fetch.bearer_token_file"), file);
+            }
+            if let Some(review) = &auth.token_review {
+                if !review.server.starts_with("https://") {
+                    problems.push(problem(key("auth.token_review.server"), "must be an https:// URL"));
+                }
+                check_file(&mut problems, &key("auth.token_review.bearer_token_file"), &review.bearer_token_file);
+                if let Some(ca) = &review.ca_file {
+                    check_file(&mut problems, &key("auth.token_review.ca_file"), ca);
+                }
+            }
             for subject in &auth.allowed_subjects {
                 if subject.split(':').count() != 4 || !subject.starts_with("system:serviceaccount:") {
                     problems.push(problem(

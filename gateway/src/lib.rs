@@ -15,6 +15,7 @@ pub mod config;
 pub mod dial;
 pub mod forward;
 pub mod frontend;
+pub mod https_client;
 pub mod metrics;
 pub mod registry;
 pub mod server;

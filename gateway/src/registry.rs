@@ -32,11 +32,22 @@ pub struct AgentIdentifiers {
 }
 
 impl AgentIdentifiers {
-    /// Parses what the agent declared; `node_name` (proven by its token) is added as a host name.
+    /// Parses what the agent declared. When its token proves a node (`node_name`), that name is
+    /// a host identifier and the agent may declare no other node's name: declared host names must
+    /// be the node name or start with `<node name>.` (its FQDNs); others are dropped.
     pub fn from_declared(declared: &Identifiers, node_name: Option<&str>) -> Result<Self, String> {
         let mut hosts: HashSet<String> = declared.hosts.iter().map(|h| h.to_ascii_lowercase()).collect();
         if let Some(node) = node_name {
-            hosts.insert(node.to_ascii_lowercase());
+            let node = node.to_ascii_lowercase();
+            let prefix = format!("{node}.");
+            hosts.retain(|h| {
+                let own = *h == node || h.starts_with(&prefix);
+                if !own {
+                    tracing::warn!(node = %node, claimed = %h, "agent declared a host name of another node; ignored");
+                }
+                own
+            });
+            hosts.insert(node);
         }
         let cidrs = declared
             .cidrs

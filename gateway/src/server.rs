@@ -110,7 +110,7 @@ impl GatewayHandle {
 impl Gateway {
     /// Builds tenants and binds every listener; nothing is served until [`run`](Self::run).
     pub async fn bind(config: GatewayConfig, metrics: Option<PrometheusHandle>) -> anyhow::Result<Self> {
-        let tenants = Tenants::build(&config.tenants)?;
+        let tenants = Tenants::build(&config.tenants).await?;
         let agents = bind_tcp(config.listen.agents).await.context("listen.agents")?;
         let admin = bind_tcp(config.listen.admin).await.context("listen.admin")?;
         let agent_tls = match &config.tls {
@@ -211,6 +211,9 @@ impl Gateway {
                 }
                 FrontendListener::Tcp(l, tls) => tokio::spawn(frontend::serve_tcp(l, tls, tenant, shared.clone())),
             });
+        }
+        for tenant in shared.tenants.iter() {
+            tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
         }
         let admin_router = crate::admin::router(shared.clone(), metrics);
         let admin_stop = shared.hard_stop.clone();

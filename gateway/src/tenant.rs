@@ -3,12 +3,20 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
 use jsonwebtoken::Algorithm;
+use tether_tunnel::tls::{self, ClientRoots};
 use tokio::sync::Semaphore;
 
+use crate::auth::key_store::{KeySource, KeyStore};
 use crate::auth::keys::KeySet;
 use crate::auth::token::{TokenVerifier, VerifierSettings};
+use crate::auth::token_review::TokenReviewer;
 use crate::config::TenantConfig;
+use crate::https_client::HttpsClient;
 use crate::registry::AgentRegistry;
 
 /// One tenant cluster being served.
@@ -30,30 +38,11 @@ pub struct Tenant {
 }
 
 impl Tenant {
-    /// Builds the run-time tenant, loading its keys.
-    pub fn from_config(config: TenantConfig) -> anyhow::Result<Self> {
-        let keys = KeySet::from_file(&config.auth.jwks_file)
-            .map_err(|e| anyhow::anyhow!("tenant {}: auth.jwks_file: {e}", config.name))?;
-        if keys.is_empty() {
-            tracing::warn!(tenant = %config.name, "the JWKS file holds no usable keys; every agent will be refused");
-        }
-        let algorithms = config
-            .auth
-            .algorithms
-            .iter()
-            .map(|a| a.parse::<Algorithm>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| anyhow::anyhow!("tenant {}: auth.algorithms: {e}", config.name))?;
-        let verifier = TokenVerifier::new(
-            VerifierSettings {
-                issuer: config.auth.issuer.clone(),
-                audiences: config.auth.audiences.clone(),
-                algorithms,
-                allowed_subjects: config.auth.allowed_subjects.iter().cloned().collect(),
-                leeway: config.auth.leeway.0,
-            },
-            keys,
-        );
+    /// Builds the run-time tenant. Keys from a file must load; keys fetched over HTTPS may fail
+    /// (the issuer may be down at start-up): the tenant then starts without keys and the periodic
+    /// refresh, or the first unknown key id, fetches them.
+    pub async fn build(config: TenantConfig) -> anyhow::Result<Self> {
+        let verifier = verifier(&config).await?;
         Ok(Self {
             name: config.name.as_str().into(),
             pending_dials: Arc::new(Semaphore::new(config.limits.max_pending_dials)),
@@ -64,6 +53,88 @@ impl Tenant {
             config,
         })
     }
+
+    /// Re-fetches signing keys every `auth.fetch.refresh_interval` until `stop` is cancelled.
+    pub async fn refresh_keys_periodically(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let interval = self.config.auth.fetch.refresh_interval.0;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(interval) => {}
+                () = stop.cancelled() => return,
+            }
+            if let Err(e) = self.verifier.key_store().refresh().await {
+                tracing::warn!(tenant = %self.name, error = %e, "periodic key refresh failed; keeping the cached keys");
+            }
+        }
+    }
+}
+
+async fn verifier(config: &TenantConfig) -> anyhow::Result<TokenVerifier> {
+    let auth = &config.auth;
+    let context = |field: &str| format!("tenant {}: auth.{field}", config.name);
+    let algorithms = auth
+        .algorithms
+        .iter()
+        .map(|a| a.parse::<Algorithm>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| context("algorithms"))?;
+    let settings = VerifierSettings {
+        issuer: auth.issuer.clone(),
+        audiences: auth.audiences.clone(),
+        algorithms,
+        allowed_subjects: auth.allowed_subjects.iter().cloned().collect(),
+        leeway: auth.leeway.0,
+    };
+    if let Some(review) = &auth.token_review {
+        let client = https_client(review.ca_file.as_deref(), Some(&review.bearer_token_file), review.timeout.0)
+            .with_context(|| context("token_review"))?;
+        let reviewer = TokenReviewer::new(&review.server, client, auth.audiences.clone(), review.cache_ttl.0);
+        return Ok(TokenVerifier::with_token_review(settings, reviewer));
+    }
+    let min_refresh = auth.fetch.min_refresh_interval.0;
+    let store = if let Some(file) = &auth.hmac_secret_file {
+        let secret = std::fs::read(file).with_context(|| context("hmac_secret_file"))?;
+        let trimmed = String::from_utf8_lossy(&secret).trim().as_bytes().to_vec();
+        let keys = KeySet::from_hmac_secret(&trimmed)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| context("hmac_secret_file"))?;
+        KeyStore::new(KeySource::Fixed, keys, min_refresh)
+    } else if let Some(file) = &auth.jwks_file {
+        let keys = KeySet::from_file(file).map_err(anyhow::Error::msg).with_context(|| context("jwks_file"))?;
+        KeyStore::new(KeySource::File(file.clone()), keys, min_refresh)
+    } else {
+        let client =
+            https_client(auth.fetch.ca_file.as_deref(), auth.fetch.bearer_token_file.as_deref(), auth.fetch.timeout.0)
+                .with_context(|| context("fetch"))?;
+        let source = match &auth.jwks_url {
+            Some(url) => KeySource::Url { url: url.clone(), client },
+            None => KeySource::Discovery { issuer: auth.issuer.clone(), client },
+        };
+        let store = KeyStore::new(source, KeySet::default(), min_refresh);
+        match store.refresh().await {
+            Ok(count) => tracing::info!(tenant = %config.name, keys = count, "signing keys fetched"),
+            Err(e) => {
+                tracing::error!(tenant = %config.name, error = %e, "cannot fetch signing keys yet; agents are refused until they load")
+            }
+        }
+        store
+    };
+    if store.current().is_empty() && auth.token_review.is_none() {
+        tracing::warn!(tenant = %config.name, "no usable signing keys; every agent will be refused until keys load");
+    }
+    Ok(TokenVerifier::new(settings, Arc::new(store)))
+}
+
+fn https_client(ca_file: Option<&Path>, bearer_file: Option<&Path>, timeout: Duration) -> anyhow::Result<HttpsClient> {
+    let roots = ClientRoots { ca_file: ca_file.map(Path::to_owned), system_roots: ca_file.is_none() };
+    let tls = tls::client_config(&roots, None, &[tls::ALPN_HTTP11])?;
+    let bearer = match bearer_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?.trim().to_owned(),
+        ),
+        None => None,
+    };
+    Ok(HttpsClient::new(Arc::new(tls), bearer, timeout))
 }
 
 /// All tenants, found by name or by the host name their agents connect to.
@@ -75,10 +146,10 @@ pub struct Tenants {
 
 impl Tenants {
     /// Builds every tenant; fails on the first that cannot be set up.
-    pub fn build(configs: &[TenantConfig]) -> anyhow::Result<Self> {
+    pub async fn build(configs: &[TenantConfig]) -> anyhow::Result<Self> {
         let mut tenants = Self::default();
         for config in configs {
-            let tenant = Arc::new(Tenant::from_config(config.clone())?);
+            let tenant = Arc::new(Tenant::build(config.clone()).await?);
             for host in &config.hosts {
                 tenants.by_host.insert(host.to_ascii_lowercase(), tenant.clone());
             }

@@ -53,6 +53,15 @@ impl KeySet {
         Ok(Self { keys })
     }
 
+    /// A key set holding one shared HMAC secret (only for tenants that configure one).
+    pub fn from_hmac_secret(secret: &[u8]) -> Result<Self, String> {
+        if secret.len() < 32 {
+            return Err("an HMAC secret must be at least 32 bytes".into());
+        }
+        let key = DecodingKey::from_secret(secret).map_err(|e| e.to_string())?;
+        Ok(Self { keys: vec![VerificationKey { kid: None, alg: None, family: AlgorithmFamily::Hmac, key }] })
+    }
+
     /// Reads a JWKS file.
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;

@@ -8,13 +8,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use arc_swap::ArcSwap;
 use base64::Engine;
 use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, Validation};
 use serde::Deserialize;
 
+use super::key_store::{KeySource, KeyStore};
 use super::keys::KeySet;
+use super::token_review::TokenReviewer;
 
 /// Largest token accepted; Kubernetes tokens are about 1 KiB.
 pub const MAX_TOKEN_LEN: usize = 16 * 1024;
@@ -59,6 +60,12 @@ pub enum AuthError {
     /// The subject is not on the tenant's list.
     #[error("subject not allowed")]
     SubjectNotAllowed,
+    /// The tenant's kube-apiserver did not authenticate the token (TokenReview).
+    #[error("token review rejected the token")]
+    ReviewRejected,
+    /// The tenant's kube-apiserver could not be asked (TokenReview); retry later.
+    #[error("token review unavailable")]
+    Unavailable,
 }
 
 impl AuthError {
@@ -77,7 +84,14 @@ impl AuthError {
             Self::WrongIssuer => "wrong_issuer",
             Self::BadClaim(_) => "bad_claim",
             Self::SubjectNotAllowed => "subject_not_allowed",
+            Self::ReviewRejected => "review_rejected",
+            Self::Unavailable => "unavailable",
         }
+    }
+
+    /// The HTTP status an agent gets: 503 when the check could not be made, else 401.
+    pub fn status(&self) -> u16 {
+        if matches!(self, Self::Unavailable) { 503 } else { 401 }
     }
 }
 
@@ -115,10 +129,12 @@ pub struct VerifierSettings {
     pub leeway: Duration,
 }
 
-/// Verifies tokens of one tenant against its current keys.
+/// Verifies tokens of one tenant: locally against the issuer's keys, or by asking the tenant's
+/// kube-apiserver (TokenReview).
 pub struct TokenVerifier {
     settings: VerifierSettings,
-    keys: ArcSwap<KeySet>,
+    keys: Arc<KeyStore>,
+    review: Option<TokenReviewer>,
 }
 
 impl fmt::Debug for TokenVerifier {
@@ -154,19 +170,40 @@ struct NamedRef {
 }
 
 impl TokenVerifier {
-    /// A verifier with an initial key set.
-    pub fn new(settings: VerifierSettings, keys: KeySet) -> Self {
-        Self { settings, keys: ArcSwap::from_pointee(keys) }
+    /// A verifier checking signatures locally with `keys`.
+    pub fn new(settings: VerifierSettings, keys: Arc<KeyStore>) -> Self {
+        Self { settings, keys, review: None }
     }
 
-    /// Replaces the key set (key rotation).
-    pub fn set_keys(&self, keys: KeySet) {
-        self.keys.store(Arc::new(keys));
+    /// A verifier that asks the tenant's kube-apiserver (TokenReview) instead of checking locally.
+    pub fn with_token_review(settings: VerifierSettings, review: TokenReviewer) -> Self {
+        let keys = Arc::new(KeyStore::new(KeySource::Fixed, KeySet::default(), Duration::MAX));
+        Self { settings, keys, review: Some(review) }
     }
 
-    /// The current key set.
-    pub fn keys(&self) -> Arc<KeySet> {
-        self.keys.load_full()
+    /// The key store.
+    pub fn key_store(&self) -> &Arc<KeyStore> {
+        &self.keys
+    }
+
+    /// Checks `token`; an unknown `kid` refreshes the keys (rate-limited) and tries once more.
+    pub async fn verify(&self, token: &str) -> Result<Identity, AuthError> {
+        if let Some(review) = &self.review {
+            check_shape(token)?;
+            let identity = review.review(token).await?;
+            return self.check_subject(identity);
+        }
+        match self.verify_cached(token) {
+            Err(AuthError::UnknownKey) if self.keys.refresh_if_due().await => self.verify_cached(token),
+            other => other,
+        }
+    }
+
+    fn check_subject(&self, identity: Identity) -> Result<Identity, AuthError> {
+        if !self.settings.allowed_subjects.is_empty() && !self.settings.allowed_subjects.contains(&identity.subject) {
+            return Err(AuthError::SubjectNotAllowed);
+        }
+        Ok(identity)
     }
 
     /// The token's `kid`, if the header is readable (used to decide whether to refresh keys).
@@ -174,14 +211,9 @@ impl TokenVerifier {
         parse_header(token).ok().and_then(|h| h.kid)
     }
 
-    /// Checks `token` and returns what it proves.
-    pub fn verify(&self, token: &str) -> Result<Identity, AuthError> {
-        if token.is_empty() {
-            return Err(AuthError::Missing);
-        }
-        if token.len() > MAX_TOKEN_LEN {
-            return Err(AuthError::TooLarge);
-        }
+    /// Checks `token` against the cached keys only.
+    pub fn verify_cached(&self, token: &str) -> Result<Identity, AuthError> {
+        check_shape(token)?;
         let header = parse_header(token)?;
         let alg = Algorithm::from_str(&header.alg)
             .ok()
@@ -195,7 +227,7 @@ impl TokenVerifier {
         validation.validate_nbf = true;
         validation.leeway = self.settings.leeway.as_secs();
 
-        let keys = self.keys.load();
+        let keys = self.keys.current();
         let mut result = Err(AuthError::UnknownKey);
         for candidate in keys.candidates(header.kid.as_deref(), alg) {
             result = jsonwebtoken::decode::<Claims>(token, &candidate.key, &validation).map_err(map_error);
@@ -204,12 +236,30 @@ impl TokenVerifier {
             }
         }
         let claims = result?.claims;
-        if !self.settings.allowed_subjects.is_empty() && !self.settings.allowed_subjects.contains(&claims.sub) {
-            return Err(AuthError::SubjectNotAllowed);
-        }
         let node_name = claims.kubernetes.and_then(|k| k.node).map(|n| n.name).filter(|n| !n.is_empty());
-        Ok(Identity { subject: claims.sub, expires_at: claims.exp, node_name })
+        self.check_subject(Identity { subject: claims.sub, expires_at: claims.exp, node_name })
     }
+}
+
+fn check_shape(token: &str) -> Result<(), AuthError> {
+    if token.is_empty() {
+        return Err(AuthError::Missing);
+    }
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(AuthError::TooLarge);
+    }
+    Ok(())
+}
+
+/// The `exp` claim of a token whose authenticity was established elsewhere (TokenReview).
+pub fn unverified_expiry(token: &str) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct Exp {
+        exp: u64,
+    }
+    let payload = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload.trim_end_matches('=')).ok()?;
+    serde_json::from_slice::<Exp>(&json).ok().map(|e| e.exp)
 }
 
 fn parse_header(token: &str) -> Result<RawHeader, AuthError> {
