@@ -36,7 +36,7 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
         return (StatusCode::SERVICE_UNAVAILABLE, "listeners not up yet\n".into());
     }
     let mut body = String::from("ready\n");
-    for tenant in shared.tenants.iter() {
+    for tenant in shared.tenants.load().iter() {
         body.push_str(&format!("tenant {}: {} agent sessions\n", tenant.name, tenant.registry.len()));
     }
     (StatusCode::OK, body)

@@ -63,7 +63,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
         Err(response) => return *response,
     };
     let verified = match bearer_token(req.headers()) {
-        Ok(token) => tenant.verifier.verify(token).await,
+        Ok(token) => tenant.verifier().verify(token).await,
         Err(e) => Err(e),
     };
     let identity = match verified {
@@ -122,8 +122,9 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
 /// The tenant named by SNI and/or Host; when both are present they must agree.
 fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Arc<Tenant>, Box<HttpResponse>> {
     let host = headers.get(HOST).and_then(|h| h.to_str().ok());
-    let by_host = host.map(|h| (h, shared.tenants.for_host(h)));
-    let by_sni = conn.sni.as_deref().map(|s| (s, shared.tenants.for_host(s)));
+    let tenants = shared.tenants.load();
+    let by_host = host.map(|h| (h, tenants.for_host(h)));
+    let by_sni = conn.sni.as_deref().map(|s| (s, tenants.for_host(s)));
     match (by_sni, by_host) {
         (Some((sni, Some(a))), Some((host, Some(b)))) => {
             if Arc::ptr_eq(&a, &b) {

@@ -31,11 +31,8 @@ pub struct SessionSlots {
 impl SessionSlots {
     /// Takes a slot from both limits, or says which one is full.
     pub fn reserve(shared: &Shared, tenant: &Tenant) -> Result<Self, &'static str> {
-        let tenant_slot = tenant
-            .agent_slots
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| "this cluster has reached its agent limit (limits.max_agents)")?;
+        let tenant_slot =
+            tenant.agent_slots.try_acquire().ok_or("this cluster has reached its agent limit (limits.max_agents)")?;
         let global_slot = shared
             .session_slots
             .clone()
@@ -54,6 +51,7 @@ enum CloseReason {
     TokenExpired,
     ProtocolError,
     GatewayStopped,
+    TenantRemoved,
 }
 
 impl CloseReason {
@@ -65,6 +63,7 @@ impl CloseReason {
             Self::TokenExpired => "token_expired",
             Self::ProtocolError => "protocol_error",
             Self::GatewayStopped => "gateway_stopped",
+            Self::TenantRemoved => "tenant_removed",
         }
     }
 }
@@ -152,6 +151,10 @@ async fn serve(
     let expiry = tokio::time::sleep_until(deadline(identity.expires_at));
     tokio::pin!(expiry);
     let mut drain_sent = false;
+    // Set when the tenant is removed: the session closes when the drain grace period is over.
+    let removal_deadline = tokio::time::sleep(Duration::MAX / 4);
+    tokio::pin!(removal_deadline);
+    let mut removing = false;
 
     let reason = loop {
         tokio::select! {
@@ -208,6 +211,21 @@ async fn serve(
                     break CloseReason::ConnectionLost;
                 }
             }
+            () = tenant.removed.cancelled(), if !removing => {
+                removing = true;
+                entry.set_draining();
+                let grace = shared.config.drain_grace_period.0;
+                removal_deadline.as_mut().reset(tokio::time::Instant::now() + grace);
+                let drain = ControlMessage::Drain(Drain {
+                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                    reason: "cluster removed from this gateway".into(),
+                });
+                tracing::info!(tenant = %tenant.name, agent = %agent_id, "tenant removed; draining its agent");
+                if send(&mut control_write, &drain).await.is_err() {
+                    break CloseReason::TenantRemoved;
+                }
+            }
+            () = &mut removal_deadline, if removing => break CloseReason::TenantRemoved,
             () = shared.hard_stop.cancelled() => break CloseReason::GatewayStopped,
         }
     };
@@ -264,7 +282,7 @@ async fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, to
         tracing::warn!(tenant = %tenant.name, agent = %agent_id, reason = %message, "token refresh refused");
         TokenRefreshResult { ok: false, expires_at: None, message: Some(message) }
     };
-    match tenant.verifier.verify(token).await {
+    match tenant.verifier().verify(token).await {
         Err(e) => refused(e.to_string(), e.label()),
         Ok(identity) if identity.subject != *subject => {
             refused("the new token is for a different subject".into(), "subject_changed")

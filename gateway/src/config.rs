@@ -36,6 +36,13 @@ pub struct GatewayConfig {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// A CONNECT frontend shared by several tenants over mutual TLS: the tenant is taken from the
+    /// client certificate's DNS names (`tenants[].frontend.client_names`), never from SNI.
+    #[serde(default)]
+    pub shared_frontend: Option<SharedFrontendConfig>,
+    /// How often the configuration file is checked for changes (hot reload); 0 disables.
+    #[serde(default = "defaults::reload_interval")]
+    pub reload_check_interval: HumanDuration,
     /// The tenant clusters this gateway serves.
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
@@ -67,6 +74,18 @@ pub struct TlsFiles {
     pub cert_file: PathBuf,
     /// Private key (PKCS#8, PKCS#1 or SEC1).
     pub key_file: PathBuf,
+}
+
+/// The shared mutual-TLS CONNECT frontend.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedFrontendConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Server certificate.
+    pub tls: TlsFiles,
+    /// CA that every client certificate must chain to.
+    pub client_ca_file: PathBuf,
 }
 
 /// WebSocket keepalive settings.
@@ -285,6 +304,9 @@ pub struct FrontendConfig {
     /// TCP listener (KAS `transport.tcp.url`), optionally with TLS and client certificates.
     #[serde(default)]
     pub tcp: Option<TcpFrontendConfig>,
+    /// DNS names in the tenant's kube-apiserver client certificate, for the shared frontend.
+    #[serde(default)]
+    pub client_names: Vec<String>,
 }
 
 /// A TCP CONNECT frontend.
@@ -359,6 +381,9 @@ mod defaults {
     }
     pub fn drain_grace_period() -> HumanDuration {
         Duration::from_secs(30).into()
+    }
+    pub fn reload_interval() -> HumanDuration {
+        Duration::from_secs(5).into()
     }
     pub fn handshake_timeout() -> HumanDuration {
         Duration::from_secs(10).into()
@@ -479,6 +504,15 @@ impl GatewayConfig {
         let mut hosts = HashSet::new();
         let mut sockets = HashSet::new();
         let mut ports = HashSet::from([self.listen.agents, self.listen.admin]);
+        let mut client_names = HashSet::new();
+        if let Some(shared) = &self.shared_frontend {
+            if shared.listen.port() != 0 && !ports.insert(shared.listen) {
+                problems.push(problem("shared_frontend.listen", format!("{} is already used", shared.listen)));
+            }
+            check_file(&mut problems, "shared_frontend.tls.cert_file", &shared.tls.cert_file);
+            check_file(&mut problems, "shared_frontend.tls.key_file", &shared.tls.key_file);
+            check_file(&mut problems, "shared_frontend.client_ca_file", &shared.client_ca_file);
+        }
         for (i, tenant) in self.tenants.iter().enumerate() {
             let key = |field: &str| format!("tenants[{i}].{field}");
             if !valid_name(&tenant.name) {
@@ -554,10 +588,10 @@ impl GatewayConfig {
             if let Some(file) = &auth.jwks_file {
                 check_file(&mut problems, &key("auth.jwks_file"), file);
             }
-            if let Some(url) = &auth.jwks_url {
-                if !url.starts_with("https://") {
-                    problems.push(problem(key("auth.jwks_url"), "must be an https:// URL"));
-                }
+            if let Some(url) = &auth.jwks_url
+                && !url.starts_with("https://")
+            {
+                problems.push(problem(key("auth.jwks_url"), "must be an https:// URL"));
             }
             if auth.oidc_discovery && !auth.issuer.starts_with("https://") {
                 problems
@@ -590,11 +624,25 @@ impl GatewayConfig {
                 }
             }
             let frontend = &tenant.frontend;
-            if frontend.uds.is_none() && frontend.tcp.is_none() {
+            if frontend.uds.is_none() && frontend.tcp.is_none() && frontend.client_names.is_empty() {
                 problems.push(problem(
                     key("frontend"),
-                    "set frontend.uds (a socket path) and/or frontend.tcp.listen so the tenant's kube-apiserver can connect",
+                    "set frontend.uds (a socket path), frontend.tcp.listen, or frontend.client_names (with shared_frontend) so the tenant's kube-apiserver can connect",
                 ));
+            }
+            if !frontend.client_names.is_empty() && self.shared_frontend.is_none() {
+                problems.push(problem(
+                    key("frontend.client_names"),
+                    "only used by the shared frontend: also set shared_frontend",
+                ));
+            }
+            for name in &frontend.client_names {
+                if !client_names.insert(name.to_ascii_lowercase()) {
+                    problems.push(problem(
+                        key("frontend.client_names"),
+                        format!("{name:?} is already mapped to another tenant"),
+                    ));
+                }
             }
             if let Some(path) = &frontend.uds {
                 if !sockets.insert(path.clone()) {

@@ -119,11 +119,10 @@ pub async fn dial(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialEr
 }
 
 async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
-    let limits = &tenant.config.limits;
-    let permit =
-        tenant.streams.clone().try_acquire_owned().map_err(|_| DialError::TooManyStreams(limits.max_streams))?;
-    let _pending =
-        tenant.pending_dials.try_acquire().map_err(|_| DialError::TooManyPending(limits.max_pending_dials))?;
+    let config = tenant.config();
+    let limits = &config.limits;
+    let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(limits.max_streams))?;
+    let _pending = tenant.pending_dials.try_acquire().ok_or(DialError::TooManyPending(limits.max_pending_dials))?;
     let request_id = REQUEST_IDS.fetch_add(1, Ordering::Relaxed);
     let timeout = limits.dial_timeout.0;
     let request = StreamOpen::Dial(DialRequest {
@@ -135,10 +134,8 @@ async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, Dial
     // A session that broke since it was picked is skipped once in favour of another agent.
     let mut last_error = None;
     for _attempt in 0..2 {
-        let agent = tenant
-            .registry
-            .pick_for(target, &tenant.config.routing)
-            .ok_or_else(|| DialError::NoAgent(target.to_string()))?;
+        let agent =
+            tenant.registry.pick_for(target, &config.routing).ok_or_else(|| DialError::NoAgent(target.to_string()))?;
         let load = agent.stream_guard();
         let attempt = tokio::time::timeout(timeout + ANSWER_MARGIN, open_and_ask(&agent, &request)).await;
         match attempt {

@@ -19,14 +19,14 @@ use crate::tenant::Tenant;
 
 /// Serves one forward stream from an agent of `tenant`.
 pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agent_id: &str) {
-    let listed =
-        tenant.config.node_to_controlplane.as_ref().and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
+    let config = tenant.config();
+    let listed = config.node_to_controlplane.as_ref().and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
     // Metric labels: configured names only; anything else an agent sends is "unlisted".
     let label = listed.map(|t| t.name.clone()).unwrap_or_else(|| "unlisted".into());
     let started = Instant::now();
     let outcome = match listed {
         Some(target) => connect(tenant, target).await,
-        None if tenant.config.node_to_controlplane.is_none() => Err(StreamResult::refused(
+        None if config.node_to_controlplane.is_none() => Err(StreamResult::refused(
             ErrorCode::NotAllowed,
             format!("cluster {} allows no node-to-control-plane traffic (no node_to_controlplane list)", tenant.name),
         )),
@@ -80,14 +80,15 @@ async fn connect(
     tenant: &Tenant,
     target: &ForwardTarget,
 ) -> Result<(TcpStream, tokio::sync::OwnedSemaphorePermit), StreamResult> {
-    let limits = &tenant.config.limits;
-    let permit = tenant.streams.clone().try_acquire_owned().map_err(|_| {
+    let config = tenant.config();
+    let limits = &config.limits;
+    let permit = tenant.streams.try_acquire().ok_or_else(|| {
         StreamResult::refused(
             ErrorCode::LimitExceeded,
             format!("cluster stream limit ({}) reached", limits.max_streams),
         )
     })?;
-    let _pending = tenant.pending_dials.try_acquire().map_err(|_| {
+    let _pending = tenant.pending_dials.try_acquire().ok_or_else(|| {
         StreamResult::refused(
             ErrorCode::LimitExceeded,
             format!("cluster pending-dial limit ({}) reached", limits.max_pending_dials),

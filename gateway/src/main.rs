@@ -65,7 +65,7 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
     telemetry::init_logging(format, &level).map_err(anyhow::Error::msg)?;
     tether_tunnel::tls::install_default_provider();
     let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
-    let gateway = Gateway::bind(config, Some(metrics)).await?;
+    let gateway = Gateway::bind_with_path(config, cli.config.clone(), Some(metrics)).await?;
     tracing::info!(agents = %gateway.agent_addr(), admin = %gateway.admin_addr(), "listeners bound");
     let handle = gateway.handle();
     let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
@@ -73,10 +73,9 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
     let reload = handle.clone();
     tokio::spawn(async move {
         while hangup.recv().await.is_some() {
-            match reload.reload_certificates() {
-                Ok(()) => tracing::info!("SIGHUP: certificates reloaded"),
-                Err(e) => tracing::error!(error = %e, "SIGHUP: certificate reload failed; keeping the old ones"),
-            }
+            tracing::info!("SIGHUP: reloading the configuration and certificates");
+            // Errors are logged and counted by reload(); the old configuration stays in force.
+            let _ = reload.reload().await;
         }
     });
     let shutdown = async move {

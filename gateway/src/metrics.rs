@@ -25,6 +25,10 @@ pub const FORWARDS_OPEN: &str = "tether_gateway_forwards_open";
 pub const FORWARD_BYTES: &str = "tether_gateway_forward_bytes_total";
 /// Time to connect to a control-plane target, by tenant and target.
 pub const FORWARD_CONNECT_DURATION: &str = "tether_gateway_forward_connect_duration_seconds";
+/// Configuration reloads by result.
+pub const CONFIG_RELOADS: &str = "tether_gateway_config_reloads_total";
+/// 1 if the last configuration reload succeeded, 0 if it failed (the old one stays in force).
+pub const CONFIG_LAST_RELOAD_OK: &str = "tether_gateway_config_last_reload_success";
 /// 1 while the gateway is draining.
 pub const DRAINING: &str = "tether_gateway_draining";
 /// Build information.
@@ -45,8 +49,11 @@ pub fn describe() {
     describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
     describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");
     describe_histogram!(FORWARD_CONNECT_DURATION, Unit::Seconds, "Time to connect to a control-plane target.");
+    describe_counter!(CONFIG_RELOADS, "Configuration reloads by result.");
+    describe_gauge!(CONFIG_LAST_RELOAD_OK, "1 if the last configuration reload succeeded.");
     describe_gauge!(DRAINING, "1 while the gateway is draining.");
     describe_gauge!(BUILD_INFO, "Build information.");
     metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     metrics::gauge!(DRAINING).set(0.0);
+    metrics::gauge!(CONFIG_LAST_RELOAD_OK).set(1.0);
 }

@@ -1,15 +1,16 @@
 //! The gateway process: binds every listener up front (so tests bind port 0 and read the real
-//! addresses back), serves until asked to stop, then drains.
+//! addresses back), serves until asked to stop, reloads its configuration live, then drains.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use arc_swap::ArcSwap;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -26,18 +27,20 @@ use tokio_util::task::TaskTracker;
 
 use crate::agent_endpoint::{self, ConnInfo};
 use crate::config::GatewayConfig;
-use crate::frontend;
-use crate::metrics::DRAINING;
+use crate::frontend::{self, FrontendListener};
+use crate::metrics::{CONFIG_RELOADS, DRAINING};
 use crate::tenant::{Tenant, Tenants};
 
 /// State shared by every task of the gateway.
 pub struct Shared {
     /// This replica's id.
     pub server_id: String,
-    /// The configuration it runs with.
+    /// The configuration the process started with (listeners, global limits, keepalive).
     pub config: GatewayConfig,
-    /// The tenants.
-    pub tenants: Tenants,
+    /// The file the configuration came from, for reloads.
+    pub config_path: Option<PathBuf>,
+    /// The tenants in force; replaced as a whole on reload.
+    pub tenants: ArcSwap<Tenants>,
     /// Cancelled when draining starts: listeners stop, agents are told to move.
     pub drain_started: CancellationToken,
     /// Cancelled when the grace period is over: everything still open is closed.
@@ -56,11 +59,32 @@ pub struct Shared {
     pub mux: MuxSettings,
     /// Set once every listener is serving.
     pub listeners_up: AtomicBool,
+    /// Every certificate loaded from files, re-read on reload.
+    pub certs: CertRegistry,
+    reload_lock: tokio::sync::Mutex<()>,
 }
 
-enum FrontendListener {
-    Unix(UnixListener, PathBuf),
-    Tcp(TcpListener, Option<TlsAcceptor>),
+/// Certificates to re-read on reload (rotation without restart).
+#[derive(Default)]
+pub struct CertRegistry {
+    certs: Mutex<Vec<Weak<ReloadableCert>>>,
+}
+
+impl CertRegistry {
+    /// Remembers a certificate for reloads.
+    pub fn register(&self, cert: &Arc<ReloadableCert>) {
+        if let Ok(mut certs) = self.certs.lock() {
+            certs.retain(|c| c.strong_count() > 0);
+            certs.push(Arc::downgrade(cert));
+        }
+    }
+
+    /// Re-reads every live certificate; failures keep the old pair and are returned.
+    pub fn reload_all(&self) -> Vec<String> {
+        let live: Vec<Arc<ReloadableCert>> =
+            self.certs.lock().map(|c| c.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
+        live.iter().filter_map(|cert| cert.reload().err().map(|e| e.to_string())).collect()
+    }
 }
 
 /// A gateway with its listeners bound, ready to [`run`](Gateway::run).
@@ -68,8 +92,9 @@ pub struct Gateway {
     shared: Arc<Shared>,
     agents: TcpListener,
     admin: TcpListener,
-    agent_tls: Option<(Arc<ReloadableCert>, TlsAcceptor)>,
-    frontends: Vec<(Arc<Tenant>, FrontendListener)>,
+    agent_tls: Option<TlsAcceptor>,
+    frontends: Vec<(Arc<Tenant>, Vec<FrontendListener>)>,
+    shared_frontend: Option<(TcpListener, TlsAcceptor)>,
     metrics: Option<PrometheusHandle>,
     stop: CancellationToken,
 }
@@ -79,7 +104,6 @@ pub struct Gateway {
 pub struct GatewayHandle {
     shared: Arc<Shared>,
     stop: CancellationToken,
-    agent_cert: Option<Arc<ReloadableCert>>,
 }
 
 impl GatewayHandle {
@@ -88,17 +112,28 @@ impl GatewayHandle {
         self.stop.cancel();
     }
 
-    /// Re-reads the agent endpoint's certificate and key; the old pair stays on error.
-    pub fn reload_certificates(&self) -> Result<(), tls::TlsError> {
-        match &self.agent_cert {
-            Some(cert) => cert.reload(),
-            None => Ok(()),
-        }
+    /// Re-reads the configuration file and applies it (see [`apply`](Self::apply)).
+    pub async fn reload(&self) -> anyhow::Result<ReloadSummary> {
+        let path = self.shared.config_path.clone();
+        let result = match GatewayConfig::load(path.as_deref()) {
+            Ok(config) => self.apply(config).await,
+            Err(e) => Err(e),
+        };
+        record_reload(&result);
+        result
+    }
+
+    /// Applies a new configuration: tenants are added, changed in place or removed (their agents
+    /// drained), certificates re-read. Other tenants' connections are untouched. If anything in
+    /// the new configuration is invalid, nothing changes. Listener addresses and process-wide
+    /// settings need a restart; changes to them are reported and ignored.
+    pub async fn apply(&self, config: GatewayConfig) -> anyhow::Result<ReloadSummary> {
+        apply(&self.shared, config).await
     }
 
     /// Agent sessions per tenant.
     pub fn sessions(&self) -> HashMap<String, usize> {
-        self.shared.tenants.iter().map(|t| (t.name.to_string(), t.registry.len())).collect()
+        self.shared.tenants.load().iter().map(|t| (t.name.to_string(), t.registry.len())).collect()
     }
 
     /// The shared state (for tests and embedding).
@@ -107,49 +142,67 @@ impl GatewayHandle {
     }
 }
 
+/// What a reload changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReloadSummary {
+    /// Tenants added.
+    pub added: Vec<String>,
+    /// Tenants whose configuration changed.
+    pub changed: Vec<String>,
+    /// Tenants removed (their agents are drained).
+    pub removed: Vec<String>,
+    /// Settings that changed but need a restart.
+    pub needs_restart: Vec<String>,
+}
+
 impl Gateway {
     /// Builds tenants and binds every listener; nothing is served until [`run`](Self::run).
     pub async fn bind(config: GatewayConfig, metrics: Option<PrometheusHandle>) -> anyhow::Result<Self> {
+        Self::bind_with_path(config, None, metrics).await
+    }
+
+    /// Like [`bind`](Self::bind), remembering the file for reloads.
+    pub async fn bind_with_path(
+        config: GatewayConfig,
+        config_path: Option<PathBuf>,
+        metrics: Option<PrometheusHandle>,
+    ) -> anyhow::Result<Self> {
         let tenants = Tenants::build(&config.tenants).await?;
+        let certs = CertRegistry::default();
         let agents = bind_tcp(config.listen.agents).await.context("listen.agents")?;
         let admin = bind_tcp(config.listen.admin).await.context("listen.admin")?;
         let agent_tls = match &config.tls {
             Some(files) => {
                 let cert = ReloadableCert::load(&files.cert_file, &files.key_file).context("tls")?;
-                let server = tls::server_config(cert.clone(), None, &[ALPN_HTTP11]).context("tls")?;
-                Some((cert, TlsAcceptor::from(Arc::new(server))))
+                certs.register(&cert);
+                let server = tls::server_config(cert, None, &[ALPN_HTTP11]).context("tls")?;
+                Some(TlsAcceptor::from(Arc::new(server)))
             }
             None => None,
         };
         let mut frontends = Vec::new();
         for tenant in tenants.iter() {
-            let key = |field: &str| format!("tenants[{}].frontend.{field}", tenant.name);
-            if let Some(path) = &tenant.config.frontend.uds {
-                let listener = bind_unix(path).with_context(|| key("uds"))?;
-                frontends.push((tenant.clone(), FrontendListener::Unix(listener, path.clone())));
-            }
-            if let Some(tcp) = &tenant.config.frontend.tcp {
-                let listener = bind_tcp(tcp.listen).await.with_context(|| key("tcp.listen"))?;
-                let acceptor = match &tcp.tls {
-                    Some(files) => {
-                        let cert =
-                            ReloadableCert::load(&files.cert_file, &files.key_file).with_context(|| key("tcp.tls"))?;
-                        let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), &[])
-                            .with_context(|| key("tcp.client_ca_file"))?;
-                        Some(frontend::tls_acceptor(server))
-                    }
-                    None => None,
-                };
-                frontends.push((tenant.clone(), FrontendListener::Tcp(listener, acceptor)));
-            }
+            frontends.push((tenant.clone(), frontend::bind(tenant, &certs).await?));
         }
+        let shared_frontend = match &config.shared_frontend {
+            Some(sf) => {
+                let listener = bind_tcp(sf.listen).await.context("shared_frontend.listen")?;
+                let cert = ReloadableCert::load(&sf.tls.cert_file, &sf.tls.key_file).context("shared_frontend.tls")?;
+                certs.register(&cert);
+                let server = tls::server_config(cert, Some(&sf.client_ca_file), &[])
+                    .context("shared_frontend.client_ca_file")?;
+                Some((listener, TlsAcceptor::from(Arc::new(server))))
+            }
+            None => None,
+        };
         let keepalive = KeepaliveSettings {
             ping_interval: config.keepalive.ping_interval.0,
             ping_timeout: config.keepalive.ping_timeout.0,
         };
         let shared = Arc::new(Shared {
             server_id: config.server_id(),
-            tenants,
+            config_path,
+            tenants: ArcSwap::from_pointee(tenants),
             drain_started: CancellationToken::new(),
             hard_stop: CancellationToken::new(),
             conn_tasks: TaskTracker::new(),
@@ -163,57 +216,68 @@ impl Gateway {
             },
             mux: MuxSettings { max_streams: config.limits.max_streams_per_agent, ..MuxSettings::default() },
             listeners_up: AtomicBool::new(false),
+            certs,
+            reload_lock: tokio::sync::Mutex::new(()),
             config,
         });
-        Ok(Self { shared, agents, admin, agent_tls, frontends, metrics, stop: CancellationToken::new() })
+        Ok(Self {
+            shared,
+            agents,
+            admin,
+            agent_tls,
+            frontends,
+            shared_frontend,
+            metrics,
+            stop: CancellationToken::new(),
+        })
     }
 
     /// The agent endpoint's address.
     pub fn agent_addr(&self) -> SocketAddr {
-        self.agents.local_addr().unwrap_or_else(|_| self.shared.config.listen.agents)
+        self.agents.local_addr().unwrap_or(self.shared.config.listen.agents)
     }
 
     /// The admin endpoint's address.
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin.local_addr().unwrap_or_else(|_| self.shared.config.listen.admin)
+        self.admin.local_addr().unwrap_or(self.shared.config.listen.admin)
     }
 
     /// The TCP frontend address of a tenant, if it has one.
     pub fn frontend_addr(&self, tenant: &str) -> Option<SocketAddr> {
-        self.frontends.iter().find_map(|(t, listener)| match listener {
-            FrontendListener::Tcp(l, _) if &*t.name == tenant => l.local_addr().ok(),
-            _ => None,
-        })
+        self.frontends
+            .iter()
+            .filter(|(t, _)| &*t.name == tenant)
+            .flat_map(|(_, listeners)| listeners.iter())
+            .find_map(FrontendListener::tcp_addr)
+    }
+
+    /// The shared mutual-TLS frontend's address, if configured.
+    pub fn shared_frontend_addr(&self) -> Option<SocketAddr> {
+        self.shared_frontend.as_ref().and_then(|(l, _)| l.local_addr().ok())
     }
 
     /// A handle to stop or reload the gateway once it runs.
     pub fn handle(&self) -> GatewayHandle {
-        GatewayHandle {
-            shared: self.shared.clone(),
-            stop: self.stop.clone(),
-            agent_cert: self.agent_tls.as_ref().map(|(cert, _)| cert.clone()),
-        }
+        GatewayHandle { shared: self.shared.clone(), stop: self.stop.clone() }
     }
 
     /// Serves until `shutdown` resolves or the handle asks to stop, then drains: listeners
     /// close, agents get Drain, open connections get the grace period, then everything closes.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Self { shared, agents, admin, agent_tls, frontends, metrics, stop } = self;
+        let Self { shared, agents, admin, agent_tls, frontends, shared_frontend, metrics, stop } = self;
         crate::metrics::describe();
-        let mut sockets = Vec::new();
-        let mut listeners = Vec::new();
-        listeners.push(tokio::spawn(serve_agents(agents, agent_tls.map(|(_, a)| a), shared.clone())));
-        for (tenant, listener) in frontends {
-            listeners.push(match listener {
-                FrontendListener::Unix(l, path) => {
-                    sockets.push(path);
-                    tokio::spawn(frontend::serve_uds(l, tenant, shared.clone()))
-                }
-                FrontendListener::Tcp(l, tls) => tokio::spawn(frontend::serve_tcp(l, tls, tenant, shared.clone())),
-            });
+        let mut listeners = vec![tokio::spawn(serve_agents(agents, agent_tls, shared.clone()))];
+        for (tenant, bound) in frontends {
+            listeners.extend(frontend::spawn(bound, &tenant, &shared, &tenant.frontends_stop()));
         }
-        for tenant in shared.tenants.iter() {
+        if let Some((listener, acceptor)) = shared_frontend {
+            listeners.push(tokio::spawn(frontend::shared::serve(listener, acceptor, shared.clone())));
+        }
+        for tenant in shared.tenants.load().iter() {
             tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
+        }
+        if shared.config_path.is_some() && !shared.config.reload_check_interval.0.is_zero() {
+            tokio::spawn(watch_config(GatewayHandle { shared: shared.clone(), stop: stop.clone() }));
         }
         let admin_router = crate::admin::router(shared.clone(), metrics);
         let admin_stop = shared.hard_stop.clone();
@@ -224,7 +288,7 @@ impl Gateway {
             }
         });
         shared.listeners_up.store(true, Ordering::Relaxed);
-        tracing::info!(server_id = %shared.server_id, tenants = shared.tenants.iter().count(), "gateway serving");
+        tracing::info!(server_id = %shared.server_id, tenants = shared.tenants.load().iter().count(), "gateway serving");
 
         tokio::select! {
             () = shutdown => {}
@@ -238,9 +302,6 @@ impl Gateway {
         for listener in listeners {
             let _ = listener.await;
         }
-        for path in &sockets {
-            let _ = std::fs::remove_file(path);
-        }
         shared.conn_tasks.close();
         if tokio::time::timeout(grace, shared.conn_tasks.wait()).await.is_err() {
             tracing::warn!(open = shared.conn_tasks.len(), "grace period over; closing remaining connections");
@@ -252,6 +313,114 @@ impl Gateway {
         let _ = admin_task.await;
         tracing::info!("gateway stopped");
         Ok(())
+    }
+}
+
+async fn apply(shared: &Arc<Shared>, config: GatewayConfig) -> anyhow::Result<ReloadSummary> {
+    let _one_at_a_time = shared.reload_lock.lock().await;
+    let problems = config.validate();
+    if !problems.is_empty() {
+        let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
+        anyhow::bail!("invalid configuration; keeping the one in force:\n{}", list.join("\n"));
+    }
+    let mut summary = ReloadSummary::default();
+    let started = &shared.config;
+    for (setting, same) in [
+        ("listen", json(&started.listen) == json(&config.listen)),
+        ("tls", json(&started.tls) == json(&config.tls)),
+        ("keepalive", json(&started.keepalive) == json(&config.keepalive)),
+        ("limits", json(&started.limits) == json(&config.limits)),
+        ("shared_frontend", json(&started.shared_frontend) == json(&config.shared_frontend)),
+        ("server_id", started.server_id == config.server_id),
+    ] {
+        if !same {
+            summary.needs_restart.push(setting.to_owned());
+        }
+    }
+
+    let current = shared.tenants.load_full();
+    // Build what can fail first, so a bad tenant leaves everything as it was.
+    let mut added = Vec::new();
+    for tenant_config in &config.tenants {
+        if current.by_name(&tenant_config.name).is_none() {
+            let tenant = Arc::new(Tenant::build(tenant_config.clone()).await?);
+            let listeners = frontend::bind(&tenant, &shared.certs).await?;
+            added.push((tenant, listeners));
+        }
+    }
+    let mut list: Vec<Arc<Tenant>> = Vec::new();
+    for tenant_config in &config.tenants {
+        let Some(tenant) = current.by_name(&tenant_config.name) else { continue };
+        if json(&*tenant.config()) != json(tenant_config) {
+            let frontends_changed = tenant.update(tenant_config.clone()).await?;
+            if frontends_changed {
+                let stop = tenant.restart_frontends();
+                // The old listeners release their addresses as they stop.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let listeners = frontend::bind(&tenant, &shared.certs).await?;
+                frontend::spawn(listeners, &tenant, shared, &stop);
+            }
+            summary.changed.push(tenant.name.to_string());
+        }
+        list.push(tenant);
+    }
+    for (tenant, listeners) in added {
+        frontend::spawn(listeners, &tenant, shared, &tenant.frontends_stop());
+        tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
+        summary.added.push(tenant.name.to_string());
+        list.push(tenant);
+    }
+    for tenant in current.iter() {
+        if !config.tenants.iter().any(|t| t.name == *tenant.name) {
+            tenant.restart_frontends().cancel();
+            tenant.removed.cancel();
+            summary.removed.push(tenant.name.to_string());
+        }
+    }
+    shared.tenants.store(Arc::new(Tenants::from_list(list)));
+    for error in shared.certs.reload_all() {
+        tracing::error!(%error, "certificate reload failed; keeping the old certificate");
+    }
+    tracing::info!(
+        added = ?summary.added,
+        changed = ?summary.changed,
+        removed = ?summary.removed,
+        needs_restart = ?summary.needs_restart,
+        "configuration reloaded"
+    );
+    Ok(summary)
+}
+
+fn json<T: serde::Serialize>(value: &T) -> Option<serde_json::Value> {
+    serde_json::to_value(value).ok()
+}
+
+fn record_reload(result: &anyhow::Result<ReloadSummary>) {
+    let label = if result.is_ok() { "ok" } else { "error" };
+    metrics::counter!(CONFIG_RELOADS, "result" => label).increment(1);
+    metrics::gauge!(crate::metrics::CONFIG_LAST_RELOAD_OK).set(if result.is_ok() { 1.0 } else { 0.0 });
+    if let Err(e) = result {
+        tracing::error!(error = %format!("{e:#}"), "configuration reload failed; the previous configuration stays in force");
+    }
+}
+
+/// Reloads when the configuration file's content changes (Kubernetes ConfigMap updates swap a
+/// symlink, so the content is compared, not the modification time).
+async fn watch_config(handle: GatewayHandle) {
+    let Some(path) = handle.shared.config_path.clone() else { return };
+    let interval = handle.shared.config.reload_check_interval.0;
+    let mut last = std::fs::read(&path).ok();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = handle.shared.drain_started.cancelled() => return,
+        }
+        let now = std::fs::read(&path).ok();
+        if now.is_some() && now != last {
+            last = now;
+            tracing::info!(file = %path.display(), "configuration file changed; reloading");
+            let _ = handle.reload().await;
+        }
     }
 }
 
@@ -306,7 +475,8 @@ async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: A
     }
 }
 
-async fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+/// Binds a TCP listener with a deep backlog.
+pub async fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
     socket.set_reuseaddr(true)?;
     socket.bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
@@ -314,7 +484,8 @@ async fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     Ok(socket.listen(4096)?)
 }
 
-fn bind_unix(path: &std::path::Path) -> anyhow::Result<UnixListener> {
+/// Binds a Unix socket, replacing a stale socket file left by a previous run.
+pub fn bind_unix(path: &std::path::Path) -> anyhow::Result<UnixListener> {
     use std::os::unix::fs::FileTypeExt;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if meta.file_type().is_socket() {

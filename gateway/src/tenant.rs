@@ -1,15 +1,17 @@
 //! A tenant at run time: its configuration, token verifier, agent registry and limits.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
+use arc_swap::ArcSwap;
 use jsonwebtoken::Algorithm;
 use tether_tunnel::tls::{self, ClientRoots};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use crate::auth::key_store::{KeySource, KeyStore};
 use crate::auth::keys::KeySet;
@@ -19,22 +21,24 @@ use crate::config::TenantConfig;
 use crate::https_client::HttpsClient;
 use crate::registry::AgentRegistry;
 
-/// One tenant cluster being served.
+/// One tenant cluster being served. Its configuration, verifier and limits can change at run
+/// time (hot reload) while its registry, and so its connected agents, stay.
 pub struct Tenant {
     /// The tenant's name (metric label).
     pub name: Arc<str>,
-    /// Its configuration.
-    pub config: TenantConfig,
-    /// Checks its agents' tokens.
-    pub verifier: TokenVerifier,
+    config: ArcSwap<TenantConfig>,
+    verifier: ArcSwap<TokenVerifier>,
     /// Its connected agents.
     pub registry: AgentRegistry,
     /// Dials waiting for an agent's answer.
-    pub pending_dials: Arc<Semaphore>,
+    pub pending_dials: Limit,
     /// Tunnelled streams open.
-    pub streams: Arc<Semaphore>,
+    pub streams: Limit,
     /// Agent sessions connected.
-    pub agent_slots: Arc<Semaphore>,
+    pub agent_slots: Limit,
+    /// Cancelled when the tenant is removed from the configuration.
+    pub removed: CancellationToken,
+    frontends: Mutex<CancellationToken>,
 }
 
 impl Tenant {
@@ -43,27 +47,117 @@ impl Tenant {
     /// refresh, or the first unknown key id, fetches them.
     pub async fn build(config: TenantConfig) -> anyhow::Result<Self> {
         let verifier = verifier(&config).await?;
+        let limits = &config.limits;
         Ok(Self {
             name: config.name.as_str().into(),
-            pending_dials: Arc::new(Semaphore::new(config.limits.max_pending_dials)),
-            streams: Arc::new(Semaphore::new(config.limits.max_streams)),
-            agent_slots: Arc::new(Semaphore::new(config.limits.max_agents)),
-            verifier,
+            pending_dials: Limit::new(limits.max_pending_dials),
+            streams: Limit::new(limits.max_streams),
+            agent_slots: Limit::new(limits.max_agents),
+            verifier: ArcSwap::from_pointee(verifier),
             registry: AgentRegistry::default(),
-            config,
+            removed: CancellationToken::new(),
+            frontends: Mutex::new(CancellationToken::new()),
+            config: ArcSwap::from_pointee(config),
         })
     }
 
-    /// Re-fetches signing keys every `auth.fetch.refresh_interval` until `stop` is cancelled.
-    pub async fn refresh_keys_periodically(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
-        let interval = self.config.auth.fetch.refresh_interval.0;
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<TenantConfig> {
+        self.config.load_full()
+    }
+
+    /// The token verifier in force.
+    pub fn verifier(&self) -> Arc<TokenVerifier> {
+        self.verifier.load_full()
+    }
+
+    /// Applies a changed configuration in place; connected agents stay. Returns whether the
+    /// frontends changed (and must be rebound). On error nothing changes.
+    pub async fn update(&self, config: TenantConfig) -> anyhow::Result<bool> {
+        let old = self.config();
+        let auth_changed = serde_json::to_value(&old.auth).ok() != serde_json::to_value(&config.auth).ok();
+        if auth_changed {
+            self.verifier.store(Arc::new(verifier(&config).await?));
+        }
+        let frontends_changed = serde_json::to_value(&old.frontend).ok() != serde_json::to_value(&config.frontend).ok();
+        self.pending_dials.resize(config.limits.max_pending_dials);
+        self.streams.resize(config.limits.max_streams);
+        self.agent_slots.resize(config.limits.max_agents);
+        self.config.store(Arc::new(config));
+        Ok(frontends_changed)
+    }
+
+    /// A token cancelled when the current frontend listeners must stop.
+    pub fn frontends_stop(&self) -> CancellationToken {
+        self.frontends.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    /// Stops the current frontend listeners and returns the token for their successors.
+    pub fn restart_frontends(&self) -> CancellationToken {
+        let fresh = CancellationToken::new();
+        if let Ok(mut current) = self.frontends.lock() {
+            current.cancel();
+            *current = fresh.clone();
+        }
+        fresh
+    }
+
+    /// Re-fetches signing keys every `auth.fetch.refresh_interval` until the tenant is removed
+    /// or `stop` is cancelled.
+    pub async fn refresh_keys_periodically(self: Arc<Self>, stop: CancellationToken) {
         loop {
+            let interval = self.config().auth.fetch.refresh_interval.0;
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = stop.cancelled() => return,
+                () = self.removed.cancelled() => return,
             }
-            if let Err(e) = self.verifier.key_store().refresh().await {
+            if let Err(e) = self.verifier().key_store().refresh().await {
                 tracing::warn!(tenant = %self.name, error = %e, "periodic key refresh failed; keeping the cached keys");
+            }
+        }
+    }
+}
+
+/// A concurrency limit that can be resized while permits are held.
+pub struct Limit {
+    semaphore: Arc<Semaphore>,
+    max: AtomicUsize,
+}
+
+impl Limit {
+    /// A limit of `max` concurrent holders.
+    pub fn new(max: usize) -> Self {
+        Self { semaphore: Arc::new(Semaphore::new(max)), max: AtomicUsize::new(max) }
+    }
+
+    /// The configured maximum.
+    pub fn max(&self) -> usize {
+        self.max.load(Ordering::Relaxed)
+    }
+
+    /// Takes a permit for as long as the returned guard lives, if one is free.
+    pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
+        self.semaphore.clone().try_acquire_owned().ok()
+    }
+
+    /// Changes the maximum. Shrinking takes effect as holders release their permits.
+    pub fn resize(&self, max: usize) {
+        let old = self.max.swap(max, Ordering::Relaxed);
+        if max > old {
+            self.semaphore.add_permits(max - old);
+        } else if old > max {
+            let surplus = old - max;
+            let forgotten = self.semaphore.forget_permits(surplus);
+            let still = surplus - forgotten;
+            if still > 0 {
+                let semaphore = self.semaphore.clone();
+                let count = u32::try_from(still).unwrap_or(u32::MAX);
+                tokio::spawn(async move {
+                    if let Ok(permits) = semaphore.acquire_many_owned(count).await {
+                        permits.forget();
+                    }
+                });
             }
         }
     }
@@ -142,20 +236,38 @@ fn https_client(ca_file: Option<&Path>, bearer_file: Option<&Path>, timeout: Dur
 pub struct Tenants {
     list: Vec<Arc<Tenant>>,
     by_host: HashMap<String, Arc<Tenant>>,
+    by_client_name: HashMap<String, Arc<Tenant>>,
 }
 
 impl Tenants {
     /// Builds every tenant; fails on the first that cannot be set up.
     pub async fn build(configs: &[TenantConfig]) -> anyhow::Result<Self> {
-        let mut tenants = Self::default();
+        let mut list = Vec::new();
         for config in configs {
-            let tenant = Arc::new(Tenant::build(config.clone()).await?);
-            for host in &config.hosts {
-                tenants.by_host.insert(host.to_ascii_lowercase(), tenant.clone());
-            }
-            tenants.list.push(tenant);
+            list.push(Arc::new(Tenant::build(config.clone()).await?));
         }
-        Ok(tenants)
+        Ok(Self::from_list(list))
+    }
+
+    /// Indexes existing tenants by their current host names.
+    pub fn from_list(list: Vec<Arc<Tenant>>) -> Self {
+        let mut by_host = HashMap::new();
+        let mut by_client_name = HashMap::new();
+        for tenant in &list {
+            let config = tenant.config();
+            for host in &config.hosts {
+                by_host.insert(host.to_ascii_lowercase(), tenant.clone());
+            }
+            for name in &config.frontend.client_names {
+                by_client_name.insert(name.to_ascii_lowercase(), tenant.clone());
+            }
+        }
+        Self { list, by_host, by_client_name }
+    }
+
+    /// The tenant whose kube-apiserver client certificates carry `name` (shared frontend).
+    pub fn for_client_name(&self, name: &str) -> Option<Arc<Tenant>> {
+        self.by_client_name.get(&name.to_ascii_lowercase()).cloned()
     }
 
     /// The tenant serving `host` (port and trailing dot ignored, case-insensitive).

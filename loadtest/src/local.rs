@@ -189,6 +189,7 @@ impl LocalDeployment {
             frontend: FrontendConfig {
                 uds: Some(frontend_uds.clone()),
                 tcp: Some(TcpFrontendConfig { listen: loopback(0), tls: None, client_ca_file: None }),
+                client_names: vec![],
             },
             routing: vec![
                 tether_gateway::config::RoutingStrategy::DestHost,

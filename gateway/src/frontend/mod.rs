@@ -3,9 +3,16 @@
 //! frontend can only ever reach its own tenant's agents.
 
 pub mod connect;
+pub mod shared;
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+use anyhow::Context as _;
+use tether_tunnel::tls::{self, ReloadableCert};
+use tokio_util::sync::CancellationToken;
 
 use tether_tunnel::splice::{Direction, splice};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -14,17 +21,88 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::dial::dial;
 use crate::metrics::BYTES;
-use crate::server::Shared;
+use crate::server::{CertRegistry, Shared};
 use crate::target::DialTarget;
 use crate::tenant::Tenant;
 use connect::{ESTABLISHED, error_response, read_request};
 
-/// Serves CONNECT requests on a Unix socket until the gateway starts draining.
-pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<Shared>) {
+/// A bound frontend listener of one tenant.
+pub enum FrontendListener {
+    /// A Unix socket and its path.
+    Unix(UnixListener, PathBuf),
+    /// A TCP listener, with TLS (and maybe client certificates) or plain.
+    Tcp(TcpListener, Option<TlsAcceptor>),
+}
+
+impl FrontendListener {
+    /// The TCP address, for TCP listeners.
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Self::Tcp(listener, _) => listener.local_addr().ok(),
+            Self::Unix(..) => None,
+        }
+    }
+}
+
+/// Binds every frontend of a tenant's current configuration. Certificates loaded here are
+/// registered in `certs` so a reload re-reads them.
+pub async fn bind(tenant: &Tenant, certs: &CertRegistry) -> anyhow::Result<Vec<FrontendListener>> {
+    let config = tenant.config();
+    let key = |field: &str| format!("tenants[{}].frontend.{field}", tenant.name);
+    let mut listeners = Vec::new();
+    if let Some(path) = &config.frontend.uds {
+        let listener = crate::server::bind_unix(path).with_context(|| key("uds"))?;
+        listeners.push(FrontendListener::Unix(listener, path.clone()));
+    }
+    if let Some(tcp) = &config.frontend.tcp {
+        let listener = crate::server::bind_tcp(tcp.listen).await.with_context(|| key("tcp.listen"))?;
+        let acceptor = match &tcp.tls {
+            Some(files) => {
+                let cert = ReloadableCert::load(&files.cert_file, &files.key_file).with_context(|| key("tcp.tls"))?;
+                certs.register(&cert);
+                let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), &[])
+                    .with_context(|| key("tcp.client_ca_file"))?;
+                Some(TlsAcceptor::from(Arc::new(server)))
+            }
+            None => None,
+        };
+        listeners.push(FrontendListener::Tcp(listener, acceptor));
+    }
+    Ok(listeners)
+}
+
+/// Serves bound listeners until the gateway drains or `stop` is cancelled; Unix socket files are
+/// removed when their listener stops.
+pub fn spawn(
+    listeners: Vec<FrontendListener>,
+    tenant: &Arc<Tenant>,
+    shared: &Arc<Shared>,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    listeners
+        .into_iter()
+        .map(|listener| {
+            let (tenant, shared, stop) = (tenant.clone(), shared.clone(), stop.clone());
+            tokio::spawn(async move {
+                match listener {
+                    FrontendListener::Unix(l, path) => {
+                        serve_uds(l, tenant, shared, stop).await;
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    FrontendListener::Tcp(l, tls) => serve_tcp(l, tls, tenant, shared, stop).await,
+                }
+            })
+        })
+        .collect()
+}
+
+/// Serves CONNECT requests on a Unix socket until the gateway drains or `stop` is cancelled.
+pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<Shared>, stop: CancellationToken) {
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = shared.drain_started.cancelled() => break,
+            () = stop.cancelled() => break,
         };
         match accepted {
             Ok((stream, _)) => {
@@ -36,12 +114,20 @@ pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<
     }
 }
 
-/// Serves CONNECT requests on TCP, with TLS when `tls` is set, until the gateway starts draining.
-pub async fn serve_tcp(listener: TcpListener, tls: Option<TlsAcceptor>, tenant: Arc<Tenant>, shared: Arc<Shared>) {
+/// Serves CONNECT requests on TCP, with TLS when `tls` is set, until the gateway drains or
+/// `stop` is cancelled.
+pub async fn serve_tcp(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    tenant: Arc<Tenant>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             () = shared.drain_started.cancelled() => break,
+            () = stop.cancelled() => break,
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
@@ -78,7 +164,7 @@ async fn accept_failed(tenant: &Tenant, e: &std::io::Error) {
 }
 
 /// One CONNECT exchange and, when it succeeds, the tunnelled connection.
-async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, shared: Arc<Shared>, peer: &str)
+pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, shared: Arc<Shared>, peer: &str)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -139,9 +225,4 @@ where
             tracing::info!(tenant = %tenant.name, %peer, %target, "closing tunnelled connection: drain grace period over");
         }
     }
-}
-
-/// Creates a TLS acceptor for a TCP frontend.
-pub fn tls_acceptor(config: rustls::ServerConfig) -> TlsAcceptor {
-    TlsAcceptor::from(Arc::new(config))
 }

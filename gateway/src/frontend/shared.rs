@@ -1,0 +1,79 @@
+//! The shared CONNECT frontend: one TCP port for several tenants, mutual TLS required. The tenant
+//! is taken from the client certificate (its DNS names, mapped by `frontend.client_names`), never
+//! from SNI, which the client chooses freely.
+
+use std::sync::Arc;
+
+use rustls::pki_types::CertificateDer;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use super::connect::error_response;
+use super::serve_connection;
+use crate::server::Shared;
+use crate::tenant::Tenant;
+
+/// Serves the shared frontend until the gateway drains.
+pub async fn serve(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Shared>) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = shared.drain_started.cancelled() => break,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "shared frontend accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (acceptor, shared2) = (acceptor.clone(), shared.clone());
+        shared.conn_tasks.spawn(async move {
+            let timeout = shared2.config.limits.handshake_timeout.0;
+            let mut tls = match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::info!(%peer, error = %e, "shared frontend TLS handshake failed");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let names = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map(dns_names).unwrap_or_default();
+            match tenant_for(&shared2, &names) {
+                Ok(tenant) => serve_connection(tls, tenant, shared2, &peer.to_string()).await,
+                Err(reason) => {
+                    tracing::warn!(%peer, names = ?names, %reason, "shared frontend client refused");
+                    let _ = tls.write_all(&error_response(403, &reason)).await;
+                    let _ = tls.shutdown().await;
+                }
+            }
+        });
+    }
+}
+
+/// The DNS names of a (verified) client certificate.
+fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    webpki::EndEntityCert::try_from(cert)
+        .map(|cert| cert.valid_dns_names().map(str::to_ascii_lowercase).collect())
+        .unwrap_or_default()
+}
+
+/// Exactly one tenant must claim the certificate's names.
+fn tenant_for(shared: &Shared, names: &[String]) -> Result<Arc<Tenant>, String> {
+    let tenants = shared.tenants.load();
+    let mut found: Option<Arc<Tenant>> = None;
+    for name in names {
+        if let Some(tenant) = tenants.for_client_name(name) {
+            match &found {
+                Some(other) if !Arc::ptr_eq(other, &tenant) => {
+                    return Err("the client certificate names more than one cluster".into());
+                }
+                _ => found = Some(tenant),
+            }
+        }
+    }
+    found.ok_or_else(|| "the client certificate is not mapped to any cluster on this frontend".into())
+}
