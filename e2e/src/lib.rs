@@ -7,4 +7,5 @@
 pub mod bins;
 pub mod checksum;
 pub mod netns;
+pub mod nginx;
 pub mod proc;

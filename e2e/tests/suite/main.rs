@@ -5,7 +5,9 @@
 mod auth;
 mod binaries;
 mod forward;
+mod oidc;
 mod resilience;
 mod support;
+mod tenancy;
 mod topology;
 mod tunnel;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tether_e2e::bins::{Process, free_port, http_get, metric_sum, wait_ready};
 use tether_e2e::netns::{self, Netns};
+use tether_e2e::nginx::Nginx;
 use tether_loadtest::devpki::{DevCa, DevIssuer, IssuerKey, write_private};
 use tether_loadtest::local::{AUDIENCE, ScratchDir};
 
@@ -40,39 +41,26 @@ async fn a_node_reaches_the_control_plane_only_through_tether_with_tls_untouched
     // kube-apiserver stand-in: nginx with its own certificate, serving /version.
     let ca = DevCa::create(dir.path(), "kas").unwrap();
     let kas_cert = ca.server("kas", &["kubernetes.default.svc", "100.64.0.1", &cp_ip]).unwrap();
-    let nginx_conf = dir.path().join("nginx.conf");
-    std::fs::write(
-        &nginx_conf,
-        format!(
-            r#"daemon off;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/nginx-error.log info;
-events {{ worker_connections 256; }}
-http {{
-  access_log {dir}/nginx-access.log;
-  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fcgi;
-  uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+    let _nginx = Nginx::start(
+        &dir.path().join("nginx"),
+        &format!(
+            r#"http {{
+  {preamble}
   log_format sni '$ssl_server_name $request';
   server {{
     listen {cp_ip}:6443 ssl;
     ssl_certificate {cert};
     ssl_certificate_key {key};
-    access_log {dir}/nginx-sni.log sni;
+    access_log $DIR/sni.log sni;
     location = /version {{ default_type application/json; return 200 '{{"major":"1","minor":"31","gitVersion":"v1.31.0"}}'; }}
   }}
-}}
-"#,
-            dir = dir.path().display(),
+}}"#,
+            preamble = Nginx::http_preamble(),
             cert = kas_cert.cert.display(),
             key = kas_cert.key.display(),
         ),
-    )
-    .unwrap();
-    let mut nginx = cp.command("nginx");
-    nginx.args(["-c", nginx_conf.to_str().unwrap(), "-e", dir.path().join("nginx-stderr.log").to_str().unwrap()]);
-    let nginx = nginx.spawn().expect("nginx (apt-get install nginx)");
-    let _nginx = KillOnDrop(nginx);
+        Some(&cp.name),
+    );
 
     // Gateway in the root namespace; its agent endpoint is the only address the node can reach.
     let gw_ca = DevCa::create(&dir.path().join("gw"), "gw").unwrap();
@@ -158,7 +146,7 @@ http {{
             .unwrap(),
     );
     assert_eq!(seen, expected, "the client must see the control plane's own certificate");
-    let sni_log = std::fs::read_to_string(dir.path().join("nginx-sni.log")).unwrap_or_default();
+    let sni_log = std::fs::read_to_string(dir.path().join("nginx/sni.log")).unwrap_or_default();
     assert!(sni_log.contains("kubernetes.default.svc GET /version"), "SNI must reach the KAS untouched: {sni_log}");
 
     let (_, metrics) = http_get(admin, "/metrics").await.unwrap();
@@ -166,18 +154,11 @@ http {{
     assert!(metric_sum(&metrics, "tether_gateway_forward_bytes_total", "from_controlplane") > 0.0);
 }
 
+/// Kills a child process when dropped.
 struct KillOnDrop(std::process::Child);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        // SIGTERM first so nginx's master takes its workers down with it.
-        let _ = std::process::Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
-        for _ in 0..40 {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }

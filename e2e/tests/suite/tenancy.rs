@@ -1,0 +1,438 @@
+//! Multi-tenant gateway in one process: isolation between tenants, per-tenant limits, token
+//! refresh and expiry, and hot reload.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tether_agent::{Agent, AgentConfig, AgentState};
+use tether_e2e::bins::{http_get, metric_sum};
+use tether_gateway::{Gateway, GatewayConfig, GatewayHandle};
+use tether_loadtest::connect_client::connect_tcp;
+use tether_loadtest::devpki::{DevCa, DevIssuer, IssuerKey, write_private};
+use tether_loadtest::local::{AUDIENCE, ScratchDir, loopback};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use crate::support::echo_server;
+
+/// A gateway serving several tenants, each with its own issuer and TCP frontend.
+pub struct Fleet {
+    pub dir: ScratchDir,
+    pub ca: DevCa,
+    pub gateway_cert: tether_loadtest::devpki::PemPair,
+    pub issuers: Vec<DevIssuer>,
+    pub config: GatewayConfig,
+    pub handle: GatewayHandle,
+    pub agent_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub frontends: Vec<SocketAddr>,
+    pub shared: Option<SocketAddr>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+pub fn tenant_json(
+    name: &str,
+    issuer: &DevIssuer,
+    frontend: SocketAddr,
+    limits: serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "hosts": [format!("{name}.tether.local")],
+        "auth": { "issuer": issuer.issuer, "audiences": [AUDIENCE], "jwks_file": issuer.jwks_file, "leeway": "1s" },
+        "frontend": { "tcp": { "listen": frontend.to_string() } },
+        "limits": limits,
+    })
+}
+
+impl Fleet {
+    /// Starts a gateway with tenants `names`; `limits` per tenant (JSON, may be `{}`).
+    pub async fn start(names: &[&str], limits: &[serde_json::Value]) -> Self {
+        Self::start_with(names, limits, false).await
+    }
+
+    /// Like [`start`](Self::start); with `shared_frontend`, a shared mutual-TLS frontend maps the
+    /// client certificate name `kas.<tenant>` to each tenant.
+    pub async fn start_with(names: &[&str], limits: &[serde_json::Value], shared_frontend: bool) -> Self {
+        tether_tunnel::tls::install_default_provider();
+        let dir = ScratchDir::new("tether-fleet").unwrap();
+        let ca = DevCa::create(dir.path(), "fleet").unwrap();
+        let hosts: Vec<String> = names.iter().map(|n| format!("{n}.tether.local")).collect();
+        let host_refs: Vec<&str> = hosts.iter().map(String::as_str).collect();
+        let gateway_cert = ca.server("gateway", &host_refs).unwrap();
+        let issuers: Vec<DevIssuer> = names
+            .iter()
+            .map(|n| DevIssuer::create(dir.path(), n, &format!("https://{n}.issuer.local"), IssuerKey::Es256).unwrap())
+            .collect();
+        let tenants: Vec<serde_json::Value> = names
+            .iter()
+            .zip(&issuers)
+            .zip(limits.iter().chain(std::iter::repeat(&serde_json::json!({}))))
+            .map(|((n, issuer), l)| tenant_json(n, issuer, loopback(0), l.clone()))
+            .collect();
+        let mut config = serde_json::json!({
+            "server_id": "fleet-0",
+            "listen": { "agents": "127.0.0.1:0", "admin": "127.0.0.1:0" },
+            "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+            "drain_grace_period": "2s",
+            "tenants": tenants,
+        });
+        if shared_frontend {
+            config["shared_frontend"] = serde_json::json!({
+                "listen": "127.0.0.1:0",
+                "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+                "client_ca_file": ca.ca_cert,
+            });
+            for (tenant, name) in config["tenants"].as_array_mut().unwrap().iter_mut().zip(names) {
+                tenant["frontend"]["client_names"] = serde_json::json!([format!("kas.{name}")]);
+            }
+        }
+        let config: GatewayConfig = serde_json::from_value(config).unwrap();
+        assert!(config.validate().is_empty(), "{:?}", config.validate());
+        let metrics = tether_tunnel::telemetry::install_metrics().ok();
+        let gateway = Gateway::bind(config.clone(), metrics).await.unwrap();
+        let frontends = names.iter().map(|n| gateway.frontend_addr(n).unwrap()).collect();
+        let shared = gateway.shared_frontend_addr();
+        let (agent_addr, admin_addr, handle) = (gateway.agent_addr(), gateway.admin_addr(), gateway.handle());
+        let task = tokio::spawn(gateway.run(std::future::pending()));
+        Self { dir, ca, gateway_cert, issuers, config, handle, agent_addr, admin_addr, frontends, shared, task }
+    }
+
+    /// Agent configuration for tenant `index`, node `node`, serving `serves` (token written).
+    pub fn agent_config(&self, index: usize, node: &str, serves: SocketAddr, token_ttl: Duration) -> AgentConfig {
+        self.agent_config_serving(index, node, &[serves], token_ttl)
+    }
+
+    /// Like [`agent_config`](Self::agent_config), allowing several targets.
+    pub fn agent_config_serving(
+        &self,
+        index: usize,
+        node: &str,
+        serves: &[SocketAddr],
+        token_ttl: Duration,
+    ) -> AgentConfig {
+        let tenant = &self.config.tenants[index].name;
+        let token = self.issuers[index]
+            .service_account_token("kube-system", "tether-agent", AUDIENCE, token_ttl, Some(node))
+            .unwrap();
+        let token_file = self.dir.path().join(format!("{tenant}-{node}.token"));
+        write_private(&token_file, token.as_bytes()).unwrap();
+        serde_json::from_value(serde_json::json!({
+            "agent_id": node,
+            "gateway": {
+                "url": format!("wss://{}/v1/tunnel", self.agent_addr),
+                "server_name": format!("{tenant}.tether.local"),
+                "token_file": token_file,
+                "ca_file": self.ca.ca_cert,
+                "reconnect_initial": "100ms",
+                "reconnect_max": "500ms",
+                "token_check_interval": "200ms",
+            },
+            "admin_listen": "127.0.0.1:0",
+            "identifiers": { "addresses": serves.iter().map(|a| a.ip().to_string()).collect::<Vec<_>>() },
+            "allow": serves.iter().map(|a| serde_json::json!({ "cidr": format!("{}/32", a.ip()), "ports": [a.port()] })).collect::<Vec<_>>(),
+        }))
+        .unwrap()
+    }
+
+    pub async fn shutdown(self) {
+        self.handle.shutdown();
+        let _ = self.task.await;
+    }
+
+    pub async fn metrics(&self) -> String {
+        http_get(self.admin_addr, "/metrics").await.unwrap().1
+    }
+}
+
+/// A running in-process agent.
+pub struct RunningAgent {
+    pub state: std::sync::Arc<AgentState>,
+    pub stop: CancellationToken,
+    pub token_file: PathBuf,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningAgent {
+    pub async fn start(config: AgentConfig) -> Self {
+        let token_file = config.gateway.token_file.clone();
+        let agent = Agent::bind(config, tether_tunnel::telemetry::install_metrics().ok()).await.unwrap();
+        let (state, stop) = (agent.state(), agent.stop_token());
+        let task = tokio::spawn(agent.run(std::future::pending()));
+        Self { state, stop, token_file, task }
+    }
+
+    pub async fn wait_live(&self, timeout: Duration) -> bool {
+        crate::tunnel::wait_for(timeout, || self.state.live_sessions() > 0).await
+    }
+
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+/// Client settings for a raw connection to the fleet's gateway as tenant `host`.
+fn client_settings(fleet: &Fleet, host: &str) -> tether_tunnel::client::ClientSettings {
+    let roots = tether_tunnel::tls::ClientRoots { ca_file: Some(fleet.ca.ca_cert.clone()), system_roots: false };
+    let tls = tether_tunnel::tls::client_config(&roots, None, &[tether_tunnel::tls::ALPN_HTTP11]).unwrap();
+    tether_tunnel::client::ClientSettings {
+        url: format!("wss://{}/v1/tunnel", fleet.agent_addr).parse().unwrap(),
+        tls: Some(std::sync::Arc::new(tls)),
+        tls_server_name: Some(host.into()),
+        connect_timeout: Duration::from_secs(5),
+        handshake_timeout: Duration::from_secs(5),
+        ws: tether_tunnel::ws::WsSettings::default(),
+        user_agent: "tether-test".into(),
+    }
+}
+
+/// A TCP address whose connects hang: a listener with a full accept queue that never accepts.
+async fn hanging_target() -> ((tokio::net::TcpListener, Vec<tokio::net::TcpStream>), SocketAddr) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from(([127, 0, fastrand::u8(1..250), fastrand::u8(1..250)], 0))).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Fill the accept queue; later SYNs are dropped, so connects wait until they time out.
+    let mut fillers = Vec::new();
+    for _ in 0..4 {
+        match tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => fillers.push(stream),
+            _ => break,
+        }
+    }
+    ((listener, fillers), addr)
+}
+
+async fn echo_via(frontend: SocketAddr, target: SocketAddr) -> Result<(), (u16, String)> {
+    match connect_tcp(frontend, &target.to_string()).await {
+        Ok(Ok(mut tunnel)) => {
+            tunnel.write_all(b"hi").await.map_err(|e| (0, e.to_string()))?;
+            let mut got = [0u8; 2];
+            tunnel.read_exact(&mut got).await.map_err(|e| (0, e.to_string()))?;
+            Ok(())
+        }
+        Ok(Err(refused)) => Err((refused.status, refused.reason)),
+        Err(e) => Err((0, e.to_string())),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_frontend_reaches_only_its_own_agents() {
+    let fleet = Fleet::start(&["alpha", "beta"], &[]).await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    let a = RunningAgent::start(fleet.agent_config(0, "node-a", x, Duration::from_secs(3600))).await;
+    let b = RunningAgent::start(fleet.agent_config(1, "node-b", y, Duration::from_secs(3600))).await;
+    assert!(a.wait_live(Duration::from_secs(10)).await && b.wait_live(Duration::from_secs(10)).await);
+
+    assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()));
+    // y is served only by beta's agent (destHost); alpha's frontend must not reach it.
+    let (status, reason) = echo_via(fleet.frontends[0], y).await.unwrap_err();
+    assert_eq!(status, 403, "{reason}");
+    assert!(reason.contains("node-a"), "the refusal comes from alpha's own agent: {reason}");
+    let (status, reason) = echo_via(fleet.frontends[1], x).await.unwrap_err();
+    assert_eq!(status, 403, "{reason}");
+    assert!(reason.contains("node-b"), "{reason}");
+    // The node name proven by a token cannot be claimed by another tenant's agent either: dials
+    // by name go to the agent whose token proves it.
+    let sessions = fleet.handle.sessions();
+    assert_eq!((sessions["alpha"], sessions["beta"]), (1, 1));
+    a.stop().await;
+    b.stop().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
+    let fleet = Fleet::start(
+        &["small", "big"],
+        &[serde_json::json!({ "max_agents": 1, "max_pending_dials": 1, "dial_timeout": "3s" }), serde_json::json!({})],
+    )
+    .await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    let (_hang, hang) = hanging_target().await;
+    let first =
+        RunningAgent::start(fleet.agent_config_serving(0, "small-1", &[x, hang], Duration::from_secs(3600))).await;
+    assert!(first.wait_live(Duration::from_secs(10)).await);
+    let other = RunningAgent::start(fleet.agent_config(1, "big-1", y, Duration::from_secs(3600))).await;
+    assert!(other.wait_live(Duration::from_secs(10)).await);
+
+    // A second agent for "small" is refused before the upgrade: 503 with Retry-After.
+    let settings = client_settings(&fleet, "small.tether.local");
+    let token = fleet.issuers[0]
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some("small-2"))
+        .unwrap();
+    match tether_tunnel::client::connect(&settings, Some(&token)).await {
+        Err(tether_tunnel::client::ConnectError::Rejected { status, reason }) => {
+            assert_eq!(status, 503);
+            assert!(reason.contains("agent limit"), "{reason}");
+        }
+        other => panic!("expected 503, got {:?}", other.map(|_| ())),
+    }
+
+    // One dial to a target that never answers holds small's only pending-dial slot...
+    let frontend = fleet.frontends[0];
+    let pending = tokio::spawn(async move { connect_tcp(frontend, &hang.to_string()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...so the next dial is refused with 429, while "big" keeps working.
+    let (status, reason) = echo_via(fleet.frontends[0], x).await.unwrap_err();
+    assert_eq!(status, 429, "{reason}");
+    assert!(reason.contains("pending dials"), "{reason}");
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()));
+    let _ = pending.await;
+
+    let metrics = fleet.metrics().await;
+    assert!(
+        metric_sum(&metrics, "tether_gateway_agent_connects_total", "tenant=\"small\",result=\"limit\"") >= 1.0,
+        "{metrics}"
+    );
+    assert!(metric_sum(&metrics, "tether_gateway_dials_total", "tenant=\"small\",result=\"too_many_pending\"") >= 1.0);
+    first.stop().await;
+    other.stop().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refreshed_token_keeps_the_session_and_an_expired_one_ends_it() {
+    let fleet = Fleet::start(&["fresh", "stale"], &[]).await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    // Both agents start with tokens valid for 4 seconds.
+    let fresh = RunningAgent::start(fleet.agent_config(0, "node-fresh", x, Duration::from_secs(4))).await;
+    let stale = RunningAgent::start(fleet.agent_config(1, "node-stale", y, Duration::from_secs(4))).await;
+    assert!(fresh.wait_live(Duration::from_secs(10)).await && stale.wait_live(Duration::from_secs(10)).await);
+    // The kubelet rotates "fresh"'s token file; the agent sends it on its live session.
+    let rotated = fleet.issuers[0]
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some("node-fresh"))
+        .unwrap();
+    write_private(&fresh.token_file, rotated.as_bytes()).unwrap();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    assert_eq!(fresh.state.live_sessions(), 1, "the refreshed session must survive the first token's expiry");
+    assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+    let metrics = fleet.metrics().await;
+    assert!(
+        metric_sum(&metrics, "tether_gateway_token_refreshes_total", "tenant=\"fresh\",result=\"ok\"") >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(metric_sum(&metrics, "tether_gateway_sessions_closed_total", "tenant=\"fresh\""), 0.0, "{metrics}");
+    assert!(
+        metric_sum(&metrics, "tether_gateway_sessions_closed_total", "tenant=\"stale\",reason=\"token_expired\"")
+            >= 1.0,
+        "{metrics}"
+    );
+    // The stale agent cannot come back with its expired token.
+    assert_eq!(stale.state.live_sessions(), 0);
+    assert_eq!(fleet.handle.sessions()["stale"], 0);
+    fresh.stop().await;
+    stale.stop().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_reload_adds_and_removes_tenants_and_ignores_a_broken_config() {
+    let fleet = Fleet::start(&["keep", "drop"], &[]).await;
+    let (x, y, z) = (echo_server().await, echo_server().await, echo_server().await);
+    let keep = RunningAgent::start(fleet.agent_config(0, "node-keep", x, Duration::from_secs(3600))).await;
+    let dropped = RunningAgent::start(fleet.agent_config(1, "node-drop", y, Duration::from_secs(3600))).await;
+    assert!(keep.wait_live(Duration::from_secs(10)).await && dropped.wait_live(Duration::from_secs(10)).await);
+    let mut long_lived = connect_tcp(fleet.frontends[0], &x.to_string()).await.unwrap().unwrap();
+
+    // Add "late", remove "drop".
+    let late_issuer =
+        DevIssuer::create(fleet.dir.path(), "late", "https://late.issuer.local", IssuerKey::Es256).unwrap();
+    let late_frontend = SocketAddr::from(([127, 0, 0, 1], tether_e2e::bins::free_port()));
+    let mut config = fleet.config.clone();
+    config.tenants.remove(1);
+    let late: tether_gateway::config::TenantConfig =
+        serde_json::from_value(tenant_json("late", &late_issuer, late_frontend, serde_json::json!({}))).unwrap();
+    config.tenants.push(late);
+    // The gateway's certificate must cover the new host name: rotate it on the same files.
+    let rotated = fleet.ca.server("gateway", &["keep.tether.local", "drop.tether.local", "late.tether.local"]).unwrap();
+    assert_eq!(rotated.cert, fleet.gateway_cert.cert);
+    let summary = fleet.handle.apply(config.clone()).await.unwrap();
+    assert_eq!(summary.added, ["late"]);
+    assert_eq!(summary.removed, ["drop"]);
+
+    // The new tenant's agents connect and its frontend works.
+    let token = late_issuer
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some("node-late"))
+        .unwrap();
+    let mut late_config = fleet.agent_config(0, "node-late", z, Duration::from_secs(3600));
+    late_config.gateway.server_name = Some("late.tether.local".into());
+    write_private(&late_config.gateway.token_file, token.as_bytes()).unwrap();
+    let late_agent = RunningAgent::start(late_config).await;
+    assert!(late_agent.wait_live(Duration::from_secs(10)).await, "{:?}", late_agent.state.last_error());
+    assert_eq!(echo_via(late_frontend, z).await, Ok(()));
+    // The removed tenant's agent was drained and is refused from now on.
+    assert!(crate::tunnel::wait_for(Duration::from_secs(10), || dropped.state.live_sessions() == 0).await);
+    assert!(!fleet.handle.sessions().contains_key("drop"));
+    // The kept tenant's connection was never interrupted.
+    long_lived.write_all(b"still here").await.unwrap();
+    let mut got = [0u8; 10];
+    long_lived.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"still here");
+
+    // A broken configuration changes nothing.
+    let mut broken = config.clone();
+    broken.tenants[0].hosts.clear();
+    assert!(fleet.handle.apply(broken).await.is_err());
+    assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+    assert_eq!(echo_via(late_frontend, z).await, Ok(()));
+    keep.stop().await;
+    dropped.stop().await;
+    late_agent.stop().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_mtls_frontend_takes_the_tenant_from_the_client_certificate() {
+    let fleet = Fleet::start_with(&["red", "blue"], &[], true).await;
+    let (listener, red_node) = crate::support::node_listener().await;
+    tether_loadtest::backends::spawn_http(listener, "red-node".into());
+    let (listener, blue_node) = crate::support::node_listener().await;
+    tether_loadtest::backends::spawn_http(listener, "blue-node".into());
+    let red = RunningAgent::start(fleet.agent_config(0, "red-1", red_node, Duration::from_secs(3600))).await;
+    let blue = RunningAgent::start(fleet.agent_config(1, "blue-1", blue_node, Duration::from_secs(3600))).await;
+    assert!(red.wait_live(Duration::from_secs(10)).await && blue.wait_live(Duration::from_secs(10)).await);
+    let port = fleet.shared.unwrap().port();
+    let ca = fleet.ca.ca_cert.display().to_string();
+    let curl = |cert: tether_loadtest::devpki::PemPair, sni: &str, target: SocketAddr| {
+        let (ca, sni) = (ca.clone(), sni.to_owned());
+        tokio::task::spawn_blocking(move || {
+            // The proxy host name becomes the SNI; it is the client's to choose and must not
+            // select the tenant.
+            let output = std::process::Command::new("curl")
+                .args(["-sS", "--max-time", "15", "-p", "-x", &format!("https://{sni}:{port}"), "--proxy-cacert", &ca])
+                .args(["--resolve", &format!("{sni}:{port}:127.0.0.1")])
+                .args([
+                    "--proxy-cert",
+                    &cert.cert.display().to_string(),
+                    "--proxy-key",
+                    &cert.key.display().to_string(),
+                ])
+                .arg(format!("http://{target}/x"))
+                .output()
+                .unwrap();
+            (String::from_utf8_lossy(&output.stdout).into_owned(), String::from_utf8_lossy(&output.stderr).into_owned())
+        })
+    };
+    let red_cert = fleet.ca.client("kas-red", "kas.red").unwrap();
+    let blue_cert = fleet.ca.client("kas-blue", "kas.blue").unwrap();
+    let stranger = fleet.ca.client("kas-green", "kas.green").unwrap();
+
+    let (body, err) = curl(red_cert.clone(), "blue.tether.local", red_node).await.unwrap();
+    assert!(body.contains("hello from red-node"), "{body}{err}");
+    let (body, err) = curl(blue_cert, "red.tether.local", blue_node).await.unwrap();
+    assert!(body.contains("hello from blue-node"), "{body}{err}");
+    // Red's KAS cannot reach blue's node, whatever it asks for.
+    let (body, err) = curl(red_cert, "blue.tether.local", blue_node).await.unwrap();
+    assert!(!body.contains("blue-node") && err.contains("403"), "{body}{err}");
+    // A certificate mapped to no tenant is refused.
+    let (body, err) = curl(stranger, "red.tether.local", red_node).await.unwrap();
+    assert!(!body.contains("red-node") && err.contains("403"), "{body}{err}");
+    red.stop().await;
+    blue.stop().await;
+    fleet.shutdown().await;
+}
