@@ -436,3 +436,117 @@ async fn the_shared_mtls_frontend_takes_the_tenant_from_the_client_certificate()
     blue.stop().await;
     fleet.shutdown().await;
 }
+
+/// A stand-in for the tenant's kube-apiserver TokenReview API (a real kube-apiserver cannot be
+/// installed here): Python's HTTPS server answering like the KAS and counting requests.
+const FAKE_TOKEN_REVIEW: &str = r#"
+import json, ssl, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+host, port, cert, key, good, count_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_POST(self):
+        with open(count_file, "a") as f: f.write("x")
+        if self.path != "/apis/authentication.k8s.io/v1/tokenreviews" or self.headers.get("Authorization") != "Bearer reviewer-token":
+            self.send_response(403); self.end_headers(); return
+        review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = review["spec"]["token"] == good and review["spec"]["audiences"] == ["tether"]
+        status = {"authenticated": True, "audiences": ["tether"], "user": {"username": "system:serviceaccount:kube-system:tether-agent",
+                  "extra": {"authentication.kubernetes.io/node-name": ["node-7"]}}} if ok else {"authenticated": False, "error": "invalid bearer token"}
+        body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "status": status}).encode()
+        self.send_response(201); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+server = HTTPServer((host, port), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(cert, key)
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_review_asks_the_tenants_apiserver_and_caches_the_answer() {
+    tether_tunnel::tls::install_default_provider();
+    let dir = ScratchDir::new("tether-review").unwrap();
+    let ca = DevCa::create(dir.path(), "review").unwrap();
+    let kas_cert = ca.server("kas", &["127.0.0.1"]).unwrap();
+    let gateway_cert = ca.server("gateway", &["review.tether.local"]).unwrap();
+    let issuer = DevIssuer::create(dir.path(), "review", "https://review.issuer.local", IssuerKey::Es256).unwrap();
+    let good =
+        issuer.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    let reviewer_token = dir.path().join("reviewer.token");
+    std::fs::write(&reviewer_token, "reviewer-token\n").unwrap();
+    let count_file = dir.path().join("count");
+    let kas_port = tether_e2e::bins::free_port();
+    let mut kas = std::process::Command::new("python3")
+        .args(["-c", FAKE_TOKEN_REVIEW, "127.0.0.1", &kas_port.to_string()])
+        .args([kas_cert.cert.to_str().unwrap(), kas_cert.key.to_str().unwrap(), &good, count_file.to_str().unwrap()])
+        .spawn()
+        .unwrap();
+    assert!(
+        tether_e2e::nginx::wait_listening(SocketAddr::from(([127, 0, 0, 1], kas_port)), Duration::from_secs(10)).await
+    );
+
+    let config: GatewayConfig = serde_json::from_value(serde_json::json!({
+        "listen": { "agents": "127.0.0.1:0", "admin": "127.0.0.1:0" },
+        "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+        "tenants": [{
+            "name": "review",
+            "hosts": ["review.tether.local"],
+            "auth": {
+                "issuer": issuer.issuer,
+                "audiences": [AUDIENCE],
+                "token_review": {
+                    "server": format!("https://127.0.0.1:{kas_port}"),
+                    "ca_file": ca.ca_cert,
+                    "bearer_token_file": reviewer_token,
+                    "cache_ttl": "60s",
+                },
+            },
+            "frontend": { "uds": dir.path().join("review.sock") },
+        }],
+    }))
+    .unwrap();
+    let gateway = Gateway::bind(config, tether_tunnel::telemetry::install_metrics().ok()).await.unwrap();
+    let agents = gateway.agent_addr();
+    let handle = gateway.handle();
+    let task = tokio::spawn(gateway.run(std::future::pending()));
+    let roots = tether_tunnel::tls::ClientRoots { ca_file: Some(ca.ca_cert.clone()), system_roots: false };
+    let tls = tether_tunnel::tls::client_config(&roots, None, &[tether_tunnel::tls::ALPN_HTTP11]).unwrap();
+    let settings = tether_tunnel::client::ClientSettings {
+        url: format!("wss://{agents}/v1/tunnel").parse().unwrap(),
+        tls: Some(std::sync::Arc::new(tls)),
+        tls_server_name: Some("review.tether.local".into()),
+        connect_timeout: Duration::from_secs(5),
+        handshake_timeout: Duration::from_secs(10),
+        ws: tether_tunnel::ws::WsSettings::default(),
+        user_agent: "tether-test".into(),
+    };
+    let connect = |token: String| {
+        let settings = settings.clone();
+        async move {
+            match tether_tunnel::client::connect(&settings, Some(&token)).await {
+                Ok(_) => Ok(()),
+                Err(tether_tunnel::client::ConnectError::Rejected { status, reason }) => Err((status, reason)),
+                Err(e) => Err((0, e.to_string())),
+            }
+        }
+    };
+    let requests = || std::fs::read_to_string(&count_file).unwrap_or_default().len();
+
+    assert_eq!(connect(good.clone()).await, Ok(()));
+    assert_eq!(connect(good.clone()).await, Ok(()));
+    assert_eq!(requests(), 1, "the second connect must be answered from the cache");
+    let stranger = DevIssuer::create(dir.path(), "stranger", "https://x", IssuerKey::Es256)
+        .unwrap()
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None)
+        .unwrap();
+    let (status, reason) = connect(stranger.clone()).await.unwrap_err();
+    assert_eq!(status, 401, "{reason}");
+    assert!(reason.contains("token review rejected"), "{reason}");
+    // With the apiserver unreachable, an unknown token cannot be checked: 503, retry later.
+    let _ = kas.kill();
+    let _ = kas.wait();
+    let (status, reason) = connect(format!("{stranger}x")).await.unwrap_err();
+    assert_eq!(status, 503, "{reason}");
+    assert_eq!(connect(good).await, Ok(()), "a cached answer still serves while the apiserver is down");
+    handle.shutdown();
+    let _ = task.await;
+}
