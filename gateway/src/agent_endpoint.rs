@@ -90,7 +90,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
         }
     };
 
-    let peer = conn.peer;
+    let peer = client_address(req.headers(), conn.peer, &shared.config.listen);
     let shared_for_task = shared.clone();
     shared.session_tasks.spawn(async move {
         let upgraded = match hyper::upgrade::on(req).await {
@@ -183,6 +183,28 @@ fn check_upgrade(headers: &HeaderMap) -> Result<String, Box<HttpResponse>> {
         .filter(|k| !k.is_empty() && k.len() < 64)
         .map(str::to_owned)
         .ok_or_else(|| Box::new(text(StatusCode::BAD_REQUEST, "missing Sec-WebSocket-Key")))
+}
+
+/// The agent's address: the TCP peer, or, when the peer is a trusted ingress, the nearest
+/// untrusted address in `X-Forwarded-For` (walking from the right, as each proxy appends).
+fn client_address(headers: &HeaderMap, peer: SocketAddr, listen: &crate::config::ListenConfig) -> SocketAddr {
+    if !listen.is_trusted_proxy(peer.ip()) {
+        return peer;
+    }
+    let forwarded: Vec<std::net::IpAddr> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    forwarded
+        .iter()
+        .rev()
+        .find(|ip| !listen.is_trusted_proxy(**ip))
+        .or(forwarded.first())
+        .map(|ip| SocketAddr::new(*ip, 0))
+        .unwrap_or(peer)
 }
 
 fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {

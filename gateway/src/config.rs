@@ -58,11 +58,35 @@ pub struct ListenConfig {
     /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
     #[serde(default = "defaults::admin_addr")]
     pub admin: SocketAddr,
+    /// Every agent connection starts with a PROXY protocol (v1 or v2) header from an L4 load
+    /// balancer; the agent's real address is taken from it.
+    #[serde(default)]
+    pub proxy_protocol: bool,
+    /// Load balancers and ingresses whose PROXY headers and `X-Forwarded-For` are believed.
+    /// With `proxy_protocol` and an empty list, any peer may send the header.
+    #[serde(default)]
+    pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
 impl Default for ListenConfig {
     fn default() -> Self {
-        Self { agents: defaults::agents_addr(), admin: defaults::admin_addr() }
+        Self {
+            agents: defaults::agents_addr(),
+            admin: defaults::admin_addr(),
+            proxy_protocol: false,
+            trusted_proxies: Vec::new(),
+        }
+    }
+}
+
+impl ListenConfig {
+    /// Whether `ip` is a configured load balancer or ingress.
+    pub fn is_trusted_proxy(&self, ip: std::net::IpAddr) -> bool {
+        let ip = match ip {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        self.trusted_proxies.iter().any(|net| net.contains(&ip))
     }
 }
 

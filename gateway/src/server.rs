@@ -29,6 +29,7 @@ use crate::agent_endpoint::{self, ConnInfo};
 use crate::config::GatewayConfig;
 use crate::frontend::{self, FrontendListener};
 use crate::metrics::{CONFIG_RELOADS, DRAINING};
+use crate::proxy_protocol;
 use crate::tenant::{Tenant, Tenants};
 
 /// State shared by every task of the gateway.
@@ -443,6 +444,27 @@ async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: A
         let (tls, shared) = (tls.clone(), shared.clone());
         tokio::spawn(async move {
             let handshake_timeout = shared.config.limits.handshake_timeout.0;
+            let mut stream = stream;
+            let mut peer = peer;
+            let listen = &shared.config.listen;
+            if listen.proxy_protocol {
+                if !listen.trusted_proxies.is_empty() && !listen.is_trusted_proxy(peer.ip()) {
+                    tracing::warn!(%peer, "PROXY protocol header from an untrusted address; connection closed");
+                    return;
+                }
+                match tokio::time::timeout(handshake_timeout, proxy_protocol::read_header(&mut stream)).await {
+                    Ok(Ok(Some(client))) => peer = client,
+                    Ok(Ok(None)) => {}
+                    Ok(Err(e)) => {
+                        tracing::info!(%peer, error = %e, "connection closed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::info!(%peer, "no PROXY protocol header in time; connection closed");
+                        return;
+                    }
+                }
+            }
             let (transport, sni) = match tls {
                 None => (Transport::Plain(stream), None),
                 Some(acceptor) => match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {

@@ -165,7 +165,7 @@ impl LocalDeployment {
             KeepaliveConfig { ping_interval: options.ping_interval.into(), ping_timeout: options.ping_interval.into() };
         let mut config: GatewayConfig = serde_json::from_value(serde_json::json!({}))?;
         config.server_id = Some("gateway-0".into());
-        config.listen = ListenConfig { agents: loopback(0), admin: loopback(0) };
+        config.listen = ListenConfig { agents: loopback(0), admin: loopback(0), ..ListenConfig::default() };
         config.tls =
             options.tls.then(|| TlsFiles { cert_file: gateway_cert.cert.clone(), key_file: gateway_cert.key.clone() });
         config.keepalive = keepalive;
@@ -324,6 +324,7 @@ impl LocalDeployment {
             handshake_timeout: Duration::from_secs(5),
             ws: tether_tunnel::ws::WsSettings::default(),
             user_agent: "tether-test".into(),
+            proxy: None,
         })
     }
 

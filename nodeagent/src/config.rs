@@ -83,6 +83,43 @@ pub struct GatewayConnection {
     /// How often the token file is checked for a rotated token.
     #[serde(default = "defaults::token_check_interval")]
     pub token_check_interval: HumanDuration,
+    /// A corporate HTTP proxy on the way to the gateway.
+    #[serde(default)]
+    pub proxy: ProxyConfig,
+}
+
+/// The HTTP proxy between the agent and the gateway.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// `http://host:port` (credentials may be in the URL). Without it, `HTTPS_PROXY`,
+    /// `https_proxy` or `ALL_PROXY` and `NO_PROXY` are used, with curl's rules.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// Read the proxy from the environment when `url` is not set.
+    #[serde(default = "defaults::yes")]
+    pub from_environment: bool,
+    /// Basic-auth user (overrides credentials in the URL).
+    #[serde(default)]
+    pub username: Option<String>,
+    /// File holding the password for `username`; else the `TETHER_PROXY_PASSWORD` variable.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// Limit for reaching the proxy and its answer to CONNECT.
+    #[serde(default = "defaults::connect_timeout")]
+    pub connect_timeout: HumanDuration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            from_environment: true,
+            username: None,
+            password_file: None,
+            connect_timeout: defaults::connect_timeout(),
+        }
+    }
 }
 
 /// Identifiers the agent declares.
@@ -174,6 +211,9 @@ mod defaults {
     pub fn token_check_interval() -> HumanDuration {
         Duration::from_secs(30).into()
     }
+    pub fn yes() -> bool {
+        true
+    }
     pub fn log_level() -> String {
         "info".into()
     }
@@ -231,6 +271,23 @@ impl AgentConfig {
         }
         if gw.ping_interval.0 < Duration::from_secs(1) || gw.ping_timeout.0 < Duration::from_secs(1) {
             problems.push("gateway.ping_interval / gateway.ping_timeout: must be at least 1s".into());
+        }
+        if let Some(url) = &gw.proxy.url {
+            match url.parse::<http::Uri>() {
+                Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {}
+                _ => problems.push(format!(
+                    "gateway.proxy.url: {:?} is not an http://host:port proxy URL",
+                    crate::proxy::redact(url)
+                )),
+            }
+        }
+        if let Some(file) = &gw.proxy.password_file {
+            if !file.is_file() {
+                problems.push(format!("gateway.proxy.password_file: {} does not exist", file.display()));
+            }
+            if gw.proxy.username.is_none() {
+                problems.push("gateway.proxy.password_file: also set gateway.proxy.username".into());
+            }
         }
         if gw.token_check_interval.0 < Duration::from_secs(1) {
             problems.push("gateway.token_check_interval: must be at least 1s".into());

@@ -136,6 +136,8 @@ impl EstablishError {
         match self {
             Self::TokenFile { .. } => "token_file",
             Self::Connect(e) if e.is_unauthorized() => "unauthorized",
+            Self::Connect(ConnectError::Proxy(tether_tunnel::proxy::ProxyError::Authentication { .. })) => "proxy_auth",
+            Self::Connect(ConnectError::Proxy(_)) => "proxy",
             Self::Connect(ConnectError::Rejected { .. }) => "rejected",
             Self::Connect(ConnectError::Tls { .. }) => "tls",
             Self::Connect(ConnectError::Timeout { .. }) => "timeout",
@@ -187,7 +189,14 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             Err(e) => {
                 metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
                 let delay = backoff.next_delay();
-                if matches!(&e, EstablishError::Connect(c) if c.is_unauthorized()) {
+                if matches!(
+                    &e,
+                    EstablishError::Connect(ConnectError::Proxy(
+                        tether_tunnel::proxy::ProxyError::Authentication { .. }
+                    ))
+                ) {
+                    tracing::error!(error = %e, retry_in_ms = delay.as_millis() as u64, "proxy authentication failed; check gateway.proxy (user, password file) or HTTPS_PROXY");
+                } else if matches!(&e, EstablishError::Connect(c) if c.is_unauthorized()) {
                     tracing::error!(error = %e, retry_in_ms = delay.as_millis() as u64, "the gateway refused this agent's token; check the token file, audience and issuer");
                 } else {
                     tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in_ms = delay.as_millis() as u64, "cannot connect to the gateway");

@@ -11,6 +11,7 @@ pub mod connection;
 pub mod dialer;
 pub mod forwarder;
 pub mod metrics;
+pub mod proxy;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -76,7 +77,16 @@ impl Agent {
                 ..WsSettings::default()
             },
             user_agent: format!("tether-agent/{}", env!("CARGO_PKG_VERSION")),
+            proxy: None,
         };
+        let mut client = client;
+        client.proxy = proxy::resolve(&gw.proxy, &client.url)?;
+        match &client.proxy {
+            Some(p) => {
+                tracing::info!(proxy = %p.display(), authenticated = p.authorization.is_some(), "reaching the gateway through an HTTP proxy")
+            }
+            None => tracing::debug!("connecting to the gateway directly"),
+        }
         let ids = &config.identifiers;
         let agent_id = config.agent_id();
         let mut hosts = ids.hosts.clone();

@@ -14,11 +14,12 @@ use tokio_tungstenite::tungstenite;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 use crate::protocol::SUBPROTOCOL;
+use crate::proxy::{self, ProxyError, ProxySettings};
 use crate::transport::Transport;
 use crate::ws::{WsByteStream, WsSettings};
 
 /// How to reach a gateway.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct ClientSettings {
     /// `wss://host[:port]/v1/tunnel` (or `ws://` behind nothing but loopback, for tests).
     pub url: Uri,
@@ -34,6 +35,8 @@ pub struct ClientSettings {
     pub ws: WsSettings,
     /// Sent as `User-Agent`.
     pub user_agent: String,
+    /// An HTTP proxy to reach the gateway through (`CONNECT`).
+    pub proxy: Option<ProxySettings>,
 }
 
 /// Why a gateway could not be reached.
@@ -68,6 +71,9 @@ pub enum ConnectError {
         /// Why.
         source: std::io::Error,
     },
+    /// The corporate proxy did not open a tunnel (authentication, refusal, timeout).
+    #[error(transparent)]
+    Proxy(#[from] ProxyError),
     /// The gateway answered the upgrade with an HTTP error.
     #[error("gateway refused the tunnel with HTTP {status}: {reason}")]
     Rejected {
@@ -101,14 +107,17 @@ pub async fn connect(
     let (host, port, tls) = target(&settings.url)?;
     let addr = format!("{host}:{port}");
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
-    let tcp = tokio::time::timeout(settings.connect_timeout, TcpStream::connect((bare_host, port)))
-        .await
-        .map_err(|_| ConnectError::Timeout {
-            stage: "TCP connect",
-            addr: addr.clone(),
-            after: settings.connect_timeout,
-        })?
-        .map_err(|source| ConnectError::Tcp { addr: addr.clone(), source })?;
+    let tcp = match &settings.proxy {
+        Some(proxy) => proxy::connect_through(proxy, bare_host, port, &settings.user_agent).await?,
+        None => tokio::time::timeout(settings.connect_timeout, TcpStream::connect((bare_host, port)))
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                stage: "TCP connect",
+                addr: addr.clone(),
+                after: settings.connect_timeout,
+            })?
+            .map_err(|source| ConnectError::Tcp { addr: addr.clone(), source })?,
+    };
     let _ = tcp.set_nodelay(true);
     let handshake = async {
         let transport = if tls {

@@ -14,6 +14,7 @@ pub mod duration;
 pub mod framed;
 pub mod mux;
 pub mod protocol;
+pub mod proxy;
 pub mod settings;
 pub mod splice;
 pub mod telemetry;
