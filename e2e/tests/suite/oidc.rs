@@ -63,6 +63,7 @@ fn settings(agents: SocketAddr, ca: &std::path::Path, host: &str) -> ClientSetti
         handshake_timeout: Duration::from_secs(10),
         ws: tether_tunnel::ws::WsSettings::default(),
         user_agent: "tether-test".into(),
+        proxy: None,
     }
 }
 

@@ -185,6 +185,7 @@ fn client_settings(fleet: &Fleet, host: &str) -> tether_tunnel::client::ClientSe
         handshake_timeout: Duration::from_secs(5),
         ws: tether_tunnel::ws::WsSettings::default(),
         user_agent: "tether-test".into(),
+        proxy: None,
     }
 }
 
@@ -518,6 +519,7 @@ async fn token_review_asks_the_tenants_apiserver_and_caches_the_answer() {
         handshake_timeout: Duration::from_secs(10),
         ws: tether_tunnel::ws::WsSettings::default(),
         user_agent: "tether-test".into(),
+        proxy: None,
     };
     let connect = |token: String| {
         let settings = settings.clone();
