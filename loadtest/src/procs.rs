@@ -1,0 +1,298 @@
+//! The real `tether-gateway` and `tether-agent` binaries as child processes, with generated dev
+//! credentials and configuration, and what the memory scenarios read about them (VmRSS, metrics).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use crate::devpki::{DevCa, DevIssuer, IssuerKey, PemPair, write_private};
+use crate::local::{AUDIENCE, ScratchDir};
+
+/// The tenant host name the generated gateways serve.
+pub const TENANT_HOST: &str = "load.tether.local";
+
+/// Finds a workspace binary: the explicit path, else next to this executable.
+pub fn find_binary(name: &str, explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(path) = explicit {
+        anyhow::ensure!(path.exists(), "{} does not exist", path.display());
+        return Ok(path.to_owned());
+    }
+    let exe = std::env::current_exe().context("cannot find the path of this executable")?;
+    let candidate = exe.parent().map(|dir| dir.join(name)).context("executable has no directory")?;
+    anyhow::ensure!(
+        candidate.exists(),
+        "{} not found next to tether-loadtest; build it (cargo build --release -p tether-gateway -p tether-agent) or pass --{}-bin",
+        candidate.display(),
+        name.trim_start_matches("tether-")
+    );
+    Ok(candidate)
+}
+
+/// Dev CA, issuer and gateway certificate in a scratch directory.
+pub struct Credentials {
+    /// Where everything is written (removed on drop).
+    pub dir: ScratchDir,
+    /// Signs the gateway certificate.
+    pub ca: DevCa,
+    /// Signs agent tokens; its JWKS is the tenant's.
+    pub issuer: DevIssuer,
+    /// The gateway's server certificate.
+    pub cert: PemPair,
+}
+
+impl Credentials {
+    /// Generates everything.
+    pub fn create(prefix: &str) -> anyhow::Result<Self> {
+        let dir = ScratchDir::new(prefix)?;
+        let ca = DevCa::create(dir.path(), "loadtest")?;
+        let issuer = DevIssuer::create(dir.path(), "load", "https://issuer.load.local", IssuerKey::Es256)?;
+        let cert = ca.server("gateway", &[TENANT_HOST, "localhost", "127.0.0.1"])?;
+        Ok(Self { dir, ca, issuer, cert })
+    }
+
+    /// A ServiceAccount token bound to `node`, valid for a day.
+    pub fn token(&self, node: &str) -> anyhow::Result<String> {
+        self.issuer.service_account_token(
+            "kube-system",
+            "tether-agent",
+            AUDIENCE,
+            Duration::from_secs(24 * 3600),
+            Some(node),
+        )
+    }
+}
+
+/// Addresses of a generated gateway.
+#[derive(Debug, Clone, Copy)]
+pub struct GatewayPorts {
+    /// Agent endpoint (TLS).
+    pub agents: SocketAddr,
+    /// Admin endpoint.
+    pub admin: SocketAddr,
+    /// The tenant's TCP CONNECT frontend.
+    pub frontend: SocketAddr,
+}
+
+impl GatewayPorts {
+    /// Free loopback ports.
+    pub fn pick() -> anyhow::Result<Self> {
+        Ok(Self { agents: free_loopback()?, admin: free_loopback()?, frontend: free_loopback()? })
+    }
+}
+
+/// A free loopback address (bound and released).
+pub fn free_loopback() -> anyhow::Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind a loopback port")?;
+    Ok(listener.local_addr()?)
+}
+
+/// Limits for a generated gateway.
+#[derive(Debug, Clone, Copy)]
+pub struct GatewaySizing {
+    /// Agent sessions (global and tenant limit).
+    pub agents: usize,
+    /// Streams per agent session and per tenant.
+    pub streams: usize,
+}
+
+/// Writes a gateway configuration (JSON text, which is valid YAML) and returns its path.
+pub fn write_gateway_config(
+    creds: &Credentials,
+    ports: &GatewayPorts,
+    sizing: GatewaySizing,
+) -> anyhow::Result<PathBuf> {
+    let config = serde_json::json!({
+        "server_id": "gw-loadtest",
+        "listen": { "agents": ports.agents.to_string(), "admin": ports.admin.to_string() },
+        "tls": { "cert_file": creds.cert.cert, "key_file": creds.cert.key },
+        "drain_grace_period": "2s",
+        "limits": {
+            "max_agent_sessions": sizing.agents + 100,
+            "max_streams_per_agent": sizing.streams.max(1024) + 100,
+            "handshake_timeout": "30s",
+        },
+        "log": { "format": "text", "level": "warn" },
+        "tenants": [{
+            "name": "load",
+            "hosts": [TENANT_HOST],
+            "auth": {
+                "issuer": creds.issuer.issuer,
+                "audiences": [AUDIENCE],
+                "algorithms": ["ES256"],
+                "jwks_file": creds.issuer.jwks_file,
+            },
+            "frontend": { "tcp": { "listen": ports.frontend.to_string() } },
+            "limits": {
+                "max_agents": sizing.agents + 100,
+                "max_streams": sizing.streams.max(1024) * 2 + 100,
+                "max_pending_dials": 1000,
+            },
+        }],
+    });
+    let path = creds.dir.path().join("gateway.yaml");
+    std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
+    Ok(path)
+}
+
+/// Writes an agent configuration allowing `allowed` and returns its path.
+pub fn write_agent_config(
+    creds: &Credentials,
+    ports: &GatewayPorts,
+    admin: SocketAddr,
+    allowed: SocketAddr,
+) -> anyhow::Result<PathBuf> {
+    let token_file = creds.dir.path().join("agent.token");
+    write_private(&token_file, creds.token("node-1")?.as_bytes())?;
+    let config = serde_json::json!({
+        "agent_id": "node-1",
+        "gateway": {
+            "url": format!("wss://{}/v1/tunnel", ports.agents),
+            "server_name": TENANT_HOST,
+            "token_file": token_file,
+            "ca_file": creds.ca.ca_cert,
+            "reconnect_initial": "100ms",
+            "reconnect_max": "1s",
+        },
+        "admin_listen": admin.to_string(),
+        "identifiers": { "addresses": [allowed.ip().to_string()] },
+        "allow": [{ "cidr": format!("{}/32", allowed.ip()), "ports": [allowed.port()] }],
+        "log": { "format": "text", "level": "warn" },
+    });
+    let path = creds.dir.path().join("agent.yaml");
+    std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
+    Ok(path)
+}
+
+/// A child process, killed when dropped; stderr goes to a log file.
+pub struct ChildProcess {
+    child: Child,
+    /// Its process id.
+    pub pid: u32,
+    /// Its stderr.
+    pub log: PathBuf,
+}
+
+impl ChildProcess {
+    /// Starts `binary --config config`.
+    pub fn spawn(binary: &Path, config: &Path, log: &Path) -> anyhow::Result<Self> {
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("cannot open {}", log.display()))?;
+        let child = Command::new(binary)
+            .arg("--config")
+            .arg(config)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start {}", binary.display()))?;
+        let pid = child.id().context("child exited at once")?;
+        Ok(Self { child, pid, log: log.to_owned() })
+    }
+
+    /// Kills it (SIGKILL: a crash, no drain) and reaps it.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// The last lines of its log, for error messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+/// Waits until `GET path` on `addr` answers 200.
+pub async fn wait_ready(
+    process: &mut ChildProcess,
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Ok((200, _)) = http_get(addr, path).await {
+            return Ok(());
+        }
+        if !process.running() {
+            anyhow::bail!("process {} exited:\n{}", process.pid, process.log_tail());
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("{addr}{path} not ready after {timeout:?}:\n{}", process.log_tail());
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// A plain HTTP/1.1 GET; returns the status and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "slow HTTP answer"))??;
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// The sum of a Prometheus metric's samples on `addr`'s `/metrics`.
+pub async fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
+    let (status, text) = http_get(addr, "/metrics").await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .collect();
+    if values.is_empty() { None } else { Some(values.iter().sum()) }
+}
+
+/// Resident memory of a process in KiB (VmRSS from /proc/<pid>/status).
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    status_field(pid, "VmRSS:")
+}
+
+/// Open file descriptors of a process.
+pub fn open_fds(pid: u32) -> Option<usize> {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).ok().map(|d| d.count())
+}
+
+fn status_field(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok())
+}
+
+/// Resident memory of this process in KiB.
+pub fn own_rss_kib() -> u64 {
+    rss_kib(std::process::id()).unwrap_or(0)
+}
+
+/// Raises the soft open-file limit to the hard limit; returns the new soft limit.
+pub fn raise_fd_limit() -> u64 {
+    match rlimit::getrlimit(rlimit::Resource::NOFILE) {
+        Ok((_, hard)) => {
+            let _ = rlimit::setrlimit(rlimit::Resource::NOFILE, hard, hard);
+            rlimit::getrlimit(rlimit::Resource::NOFILE).map(|l| l.0).unwrap_or(0)
+        }
+        Err(_) => 0,
+    }
+}

@@ -1,0 +1,123 @@
+//! `dial-rate`: new connections one after another: through the tunnel each is a CONNECT, a
+//! 16-byte request, the answer and a close; the baseline is the same exchange over a new direct
+//! TCP connection to the same echo server.
+
+use std::time::{Duration, Instant};
+
+use crate::progress::Progress;
+use crate::report::{Report, Series, Table, num, pct};
+use crate::scenarios::Outcome;
+use crate::scenarios::measure::{self, DialResult};
+use crate::stats::{distribution, median, median_index, percentiles, ratio};
+use crate::svg::{self, Labels, Line};
+use crate::target::{DataPath, DataTarget, Route};
+
+/// Options of `dial-rate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DialRateArgs {
+    /// Dials in flight at once (1 = strictly sequential).
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 5.0)]
+    pub duration: f64,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Where to send traffic.
+    #[command(flatten)]
+    pub target: DataTarget,
+}
+
+/// Runs the scenario.
+pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Outcome> {
+    let started = Instant::now();
+    let path = DataPath::start(&args.target).await?;
+    let mut routes = vec![("direct".to_owned(), Route::Direct(path.echo))];
+    for (label, frontend) in &path.frontends {
+        routes.push((label.clone(), Route::Connect { frontend: frontend.clone(), target: path.echo }));
+    }
+    let duration = Duration::from_secs_f64(args.duration.max(0.2));
+    let mut runs: Vec<Vec<DialResult>> = routes.iter().map(|_| Vec::new()).collect();
+    for rep in 0..args.repeat.max(1) {
+        for (i, (via, route)) in routes.iter().enumerate() {
+            let label = format!("{via} dials #{}", rep + 1);
+            runs[i].push(measure::dials(route, duration, args.concurrency, progress, &label).await?);
+        }
+    }
+    let mut report = Report::new(
+        "dial-rate",
+        path.kind,
+        serde_json::json!({
+            "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
+            "request_bytes": 16, "frontends": path.frontends.iter().map(|f| f.1.to_string()).collect::<Vec<_>>(),
+        }),
+    );
+    path.shutdown().await;
+    let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
+    let direct_rate = median(&rates[0]);
+    let mut table = Table::new(&["path", "dials/s", "vs direct", "p50 us", "p90 us", "p99 us", "errors"]);
+    let mut lines = Vec::new();
+    for (i, (via, _)) in routes.iter().enumerate() {
+        let representative = &runs[i][median_index(&rates[i])];
+        let p = percentiles(&representative.histogram);
+        let key_prefix = if i == 0 {
+            String::new()
+        } else {
+            via.replace("tunnel", "").replace(['(', ')'], "").trim().replace(' ', "_")
+        };
+        let rate = median(&rates[i]);
+        let errors: u64 = runs[i].iter().map(|r| r.errors).sum();
+        if i == 0 {
+            report.baseline.insert("dials_per_s".into(), rate);
+            for (name, v) in &p {
+                report.baseline.insert(format!("{name}_us"), *v);
+            }
+        } else if key_prefix.is_empty() {
+            report.compared("dials_per_s", direct_rate, rate);
+            for (name, v) in &p {
+                let direct = report.baseline.get(&format!("{name}_us")).copied().unwrap_or(0.0);
+                report.latency(&format!("{name}_us"), direct, *v);
+            }
+        } else {
+            report.tunnel.insert(format!("{key_prefix}_dials_per_s"), rate);
+            report.ratios.insert(format!("{key_prefix}_dials_per_s"), ratio(rate, direct_rate));
+            for (name, v) in &p {
+                report.tunnel.insert(format!("{key_prefix}_{name}_us"), *v);
+            }
+        }
+        report.figures.insert(format!("{}_errors", via.replace([' ', '(', ')'], "_")), errors as f64);
+        report.series.push(Series::per_second(format!("{via} dials"), "dials/s", &representative.samples));
+        let points = distribution(&representative.histogram);
+        report.series.push(crate::report::Series {
+            name: format!("{via} dial latency distribution"),
+            x_unit: "percentile".into(),
+            y_unit: "us".into(),
+            points: points.clone(),
+        });
+        lines.push(Line { name: via.clone(), points: points.iter().map(|p| (p[0], p[1])).collect(), dashed: i == 0 });
+        table.row(vec![
+            via.clone(),
+            num(rate),
+            pct(ratio(rate, direct_rate)),
+            num(p[0].1),
+            num(p[1].1),
+            num(p[2].1),
+            errors.to_string(),
+        ]);
+    }
+    report.machine.load_average_end = crate::report::load_average();
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    let chart = svg::percentile_chart(
+        &Labels {
+            title: &format!(
+                "New-connection latency (open, 16 B request, answer, close), concurrency {}",
+                args.concurrency
+            ),
+            x: "percentile",
+            y: "latency (us, log scale)",
+        },
+        &lines,
+    );
+    Ok(Outcome { report, table: table.render(), charts: vec![("dial-rate.svg".into(), chart)] })
+}

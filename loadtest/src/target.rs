@@ -1,0 +1,324 @@
+//! What the data-path scenarios (throughput, rps, latency, dial-rate) measure against: an
+//! in-process deployment (default) or an external gateway's CONNECT frontend, plus the node-side
+//! servers this process runs, and the routes to them (direct TCP or through a CONNECT frontend).
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
+use tokio::task::JoinHandle;
+
+use crate::backends;
+use crate::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
+
+/// A CONNECT frontend: `tcp://host:port` or `unix:///path`.
+#[derive(Debug, Clone)]
+pub enum Frontend {
+    /// Plain TCP.
+    Tcp(SocketAddr),
+    /// A Unix socket.
+    Unix(PathBuf),
+}
+
+impl FromStr for Frontend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(addr) = s.strip_prefix("tcp://") {
+            addr.parse().map(Self::Tcp).map_err(|e| format!("{addr:?} is not host:port with a numeric IP: {e}"))
+        } else if let Some(path) = s.strip_prefix("unix://") {
+            Ok(Self::Unix(PathBuf::from(path)))
+        } else {
+            Err(format!("{s:?}: use tcp://IP:PORT or unix:///path/to/socket"))
+        }
+    }
+}
+
+impl std::fmt::Display for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tcp(addr) => write!(f, "tcp://{addr}"),
+            Self::Unix(path) => write!(f, "unix://{}", path.display()),
+        }
+    }
+}
+
+/// Where the data-path scenarios send traffic.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DataTarget {
+    /// CONNECT frontend of an external deployment (tcp://IP:PORT or unix:///path). Without it an
+    /// in-process deployment (gateway + one agent, TLS on) is started.
+    #[arg(long)]
+    pub frontend: Option<Frontend>,
+    /// Address the node-side servers (bulk, echo) listen on. With --frontend, the external
+    /// deployment's agent must be able to reach it and allow its ports.
+    #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
+    pub backend_ip: IpAddr,
+    /// Fixed port for the bulk server (default: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub bulk_port: u16,
+    /// Fixed port for the echo server (default: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub echo_port: u16,
+}
+
+/// How a client reaches a node-side server.
+#[derive(Debug, Clone)]
+pub enum Route {
+    /// A plain TCP connection (the baseline, or a forwarding tunnel such as rathole).
+    Direct(SocketAddr),
+    /// `CONNECT target` through a Tether frontend.
+    Connect {
+        /// The frontend.
+        frontend: Frontend,
+        /// The node-side target.
+        target: SocketAddr,
+    },
+}
+
+impl Route {
+    /// Opens a connection along this route.
+    pub async fn open(&self) -> anyhow::Result<Conn> {
+        match self {
+            Self::Direct(addr) => {
+                let stream = TcpStream::connect(addr).await.with_context(|| format!("cannot connect to {addr}"))?;
+                let _ = stream.set_nodelay(true);
+                Ok(Conn::Tcp(stream))
+            }
+            Self::Connect { frontend: Frontend::Tcp(proxy), target } => {
+                let stream =
+                    TcpStream::connect(proxy).await.with_context(|| format!("cannot connect to frontend {proxy}"))?;
+                let _ = stream.set_nodelay(true);
+                Ok(Conn::Tcp(connect_request(stream, *target).await?))
+            }
+            Self::Connect { frontend: Frontend::Unix(path), target } => {
+                let stream = UnixStream::connect(path)
+                    .await
+                    .with_context(|| format!("cannot connect to frontend {}", path.display()))?;
+                Ok(Conn::Unix(connect_request(stream, *target).await?))
+            }
+        }
+    }
+}
+
+/// Sends kube-apiserver's CONNECT request and reads the answer head. The head is read with one
+/// buffered read rather than byte by byte: the target speaks only after we write, so nothing but
+/// the head can arrive, and a byte-wise read would charge ~40 extra syscalls per dial to the
+/// tunnel's figures.
+pub async fn connect_request<S>(mut stream: S, target: SocketAddr) -> anyhow::Result<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    stream.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes()).await?;
+    let mut head = Vec::with_capacity(128);
+    let mut buf = [0u8; 512];
+    let end = loop {
+        let n = stream.read(&mut buf).await?;
+        anyhow::ensure!(n > 0, "the frontend closed the connection before answering CONNECT");
+        head.extend_from_slice(&buf[..n]);
+        if let Some(pos) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+            break pos + 4;
+        }
+        anyhow::ensure!(head.len() < 16 * 1024, "CONNECT answer head over 16 KiB");
+    };
+    let text = String::from_utf8_lossy(&head[..end]);
+    let status = text.split_whitespace().nth(1).unwrap_or_default().to_owned();
+    anyhow::ensure!(status == "200", "CONNECT {target} answered {}", text.lines().next().unwrap_or_default());
+    anyhow::ensure!(head.len() == end, "the frontend sent bytes after its 200 head");
+    Ok(stream)
+}
+
+/// A client connection, TCP or Unix.
+pub enum Conn {
+    /// TCP.
+    Tcp(TcpStream),
+    /// Unix socket.
+    Unix(UnixStream),
+}
+
+impl Conn {
+    /// The blocking form, for the latency scenario's dedicated threads.
+    pub fn into_std(self) -> io::Result<StdConn> {
+        match self {
+            Self::Tcp(s) => {
+                let s = s.into_std()?;
+                s.set_nonblocking(false)?;
+                Ok(StdConn::Tcp(s))
+            }
+            Self::Unix(s) => {
+                let s = s.into_std()?;
+                s.set_nonblocking(false)?;
+                Ok(StdConn::Unix(s))
+            }
+        }
+    }
+}
+
+macro_rules! both {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self.get_mut() {
+            Conn::Tcp($s) => $e,
+            Conn::Unix($s) => $e,
+        }
+    };
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        both!(self, s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        both!(self, s => Pin::new(s).poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        both!(self, s => Pin::new(s).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        both!(self, s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+/// A blocking client connection.
+pub enum StdConn {
+    /// TCP.
+    Tcp(std::net::TcpStream),
+    /// Unix socket.
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl StdConn {
+    /// A second handle to the same connection (one thread reads, one writes).
+    pub fn try_clone(&self) -> io::Result<Self> {
+        match self {
+            Self::Tcp(s) => s.try_clone().map(Self::Tcp),
+            Self::Unix(s) => s.try_clone().map(Self::Unix),
+        }
+    }
+
+    /// Bounds blocking reads so a lost answer cannot hang the run.
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(timeout),
+            Self::Unix(s) => s.set_read_timeout(timeout),
+        }
+    }
+}
+
+impl io::Read for StdConn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl io::Write for StdConn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The node-side servers and the routes to them.
+pub struct DataPath {
+    /// `local` or `external`.
+    pub kind: &'static str,
+    /// The bulk server.
+    pub bulk: SocketAddr,
+    /// The echo server.
+    pub echo: SocketAddr,
+    /// Tunnel frontends to measure: (label, frontend); the first is the main one.
+    pub frontends: Vec<(String, Frontend)>,
+    local: Option<LocalDeployment>,
+    servers: Vec<JoinHandle<()>>,
+}
+
+impl DataPath {
+    /// Starts the node-side servers and, without `--frontend`, an in-process deployment.
+    pub async fn start(target: &DataTarget) -> anyhow::Result<Self> {
+        let bulk_listener = TcpListener::bind((target.backend_ip, target.bulk_port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", target.backend_ip, target.bulk_port))?;
+        let echo_listener = TcpListener::bind((target.backend_ip, target.echo_port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}", target.backend_ip, target.echo_port))?;
+        let bulk = bulk_listener.local_addr()?;
+        let echo = echo_listener.local_addr()?;
+        let servers = vec![backends::spawn_bulk(bulk_listener), backends::spawn_echo(echo_listener)];
+        if let Some(frontend) = &target.frontend {
+            return Ok(Self {
+                kind: "external",
+                bulk,
+                echo,
+                frontends: vec![("tunnel".into(), frontend.clone())],
+                local: None,
+                servers,
+            });
+        }
+        let deployment = LocalDeployment::start(LocalOptions {
+            agents: vec![AgentSpec {
+                id: "node-1".into(),
+                addresses: vec![target.backend_ip],
+                allow: vec![allow(target.backend_ip, &[bulk.port(), echo.port()])],
+                default_route: false,
+            }],
+            ..LocalOptions::default()
+        })
+        .await?;
+        deployment.wait_connected(Duration::from_secs(15)).await?;
+        let frontends = vec![
+            ("tunnel".into(), Frontend::Tcp(deployment.frontend_addr)),
+            ("tunnel (unix socket)".into(), Frontend::Unix(deployment.frontend_uds.clone())),
+        ];
+        Ok(Self { kind: "local", bulk, echo, frontends, local: Some(deployment), servers })
+    }
+
+    /// The main tunnel route to `target`.
+    pub fn tunnel(&self, target: SocketAddr) -> Route {
+        let frontend = self.frontends.first().map(|f| f.1.clone()).unwrap_or(Frontend::Tcp(target));
+        Route::Connect { frontend, target }
+    }
+
+    /// Stops the deployment and the servers.
+    pub async fn shutdown(self) {
+        if let Some(local) = self.local {
+            local.shutdown().await;
+        }
+        for server in self.servers {
+            server.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frontends_parse() {
+        assert!(matches!("tcp://127.0.0.1:8131".parse::<Frontend>(), Ok(Frontend::Tcp(_))));
+        assert!(
+            matches!("unix:///run/t.sock".parse::<Frontend>(), Ok(Frontend::Unix(p)) if p == PathBuf::from("/run/t.sock"))
+        );
+        assert!("http://x".parse::<Frontend>().is_err());
+    }
+}
