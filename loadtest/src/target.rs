@@ -312,12 +312,13 @@ impl DataPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn frontends_parse() {
         assert!(matches!("tcp://127.0.0.1:8131".parse::<Frontend>(), Ok(Frontend::Tcp(_))));
         assert!(
-            matches!("unix:///run/t.sock".parse::<Frontend>(), Ok(Frontend::Unix(p)) if p == PathBuf::from("/run/t.sock"))
+            matches!("unix:///run/t.sock".parse::<Frontend>(), Ok(Frontend::Unix(p)) if p == Path::new("/run/t.sock"))
         );
         assert!("http://x".parse::<Frontend>().is_err());
     }

@@ -132,7 +132,7 @@ async fn measure(route: &Route, args: &LatencyArgs, progress: &Progress, label: 
         conn.set_read_timeout(Some(Duration::from_secs(10)))?;
         conns.push(conn);
     }
-    let phase = progress.phase(label, Duration::from_secs_f64(args.duration) + WARMUP, || String::new());
+    let phase = progress.phase(label, Duration::from_secs_f64(args.duration) + WARMUP, String::new);
     let start = Instant::now() + Duration::from_millis(20);
     let mut receivers = Vec::new();
     let mut senders = Vec::new();

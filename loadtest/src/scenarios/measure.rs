@@ -206,7 +206,7 @@ pub async fn dials(
     let secs = started.elapsed().as_secs_f64();
     let samples = sampler.finish().await;
     phase.done().await;
-    anyhow::ensure!(histogram.len() > 0, "{label}: no dial succeeded ({errors} failed)");
+    anyhow::ensure!(!histogram.is_empty(), "{label}: no dial succeeded ({errors} failed)");
     tokio::time::sleep(Duration::from_millis(300)).await;
     Ok(DialResult { per_second: histogram.len() as f64 / secs, histogram, samples, errors })
 }

@@ -186,7 +186,7 @@ pub async fn run(args: &PeerArgs, progress: &Progress) -> anyhow::Result<Outcome
     let mut throughput: Vec<[Vec<f64>; 2]> = vec![[Vec::new(), Vec::new()]; 3];
     let mut dials: Vec<Vec<f64>> = vec![Vec::new(); 3];
     let mut dial_p50: Vec<Vec<f64>> = vec![Vec::new(); 3];
-    let mut unconfirmed = vec![false; 3];
+    let mut unconfirmed = [false; 3];
     for rep in 0..args.repeat.max(1) {
         for (d, direction) in [Direction::Download, Direction::Upload].into_iter().enumerate() {
             for (i, (via, route)) in bulk_routes.iter().enumerate() {
