@@ -9,6 +9,13 @@ command -v nc >/dev/null 2>&1 || need+=(netcat-openbsd)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v nginx >/dev/null 2>&1 || need+=(nginx)
+[ -e /usr/lib/nginx/modules/ngx_stream_module.so ] || need+=(libnginx-mod-stream)
+command -v haproxy >/dev/null 2>&1 || need+=(haproxy)
+command -v squid >/dev/null 2>&1 || need+=(squid)
+command -v htpasswd >/dev/null 2>&1 || need+=(apache2-utils)
+command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing test dependencies: ${need[*]}"

@@ -122,3 +122,34 @@ pub fn metric_sum(text: &str, name: &str, label_filter: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .sum()
 }
+
+/// Writes `config` (JSON, which is valid YAML) to `<dir>/<name>.yaml` and starts the gateway
+/// binary on it; waits for `/readyz` on `admin`.
+pub async fn start_gateway(dir: &Path, name: &str, config: &serde_json::Value, admin: SocketAddr) -> Process {
+    let file = dir.join(format!("{name}.yaml"));
+    std::fs::write(&file, config.to_string()).expect("gateway config");
+    let gateway = Process::spawn("tether-gateway", &["-c", file.to_str().unwrap_or_default()], &[], dir, name)
+        .expect("start tether-gateway");
+    assert!(wait_ready(admin, "/readyz", Duration::from_secs(20)).await, "{name} not ready:\n{}", gateway.log_text());
+    gateway
+}
+
+/// Writes `config` to `<dir>/<name>.yaml` and starts the agent binary on it with `env`.
+pub fn start_agent(dir: &Path, name: &str, config: &serde_json::Value, env: &[(&str, &str)]) -> Process {
+    let file = dir.join(format!("{name}.yaml"));
+    std::fs::write(&file, config.to_string()).expect("agent config");
+    Process::spawn("tether-agent", &["-c", file.to_str().unwrap_or_default()], env, dir, name)
+        .expect("start tether-agent")
+}
+
+/// Polls `check` every 50 ms until it holds or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    check().await
+}

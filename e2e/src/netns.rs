@@ -14,6 +14,27 @@ pub fn ip(args: &[&str]) {
     assert!(output.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
 }
 
+/// A child process killed when dropped.
+pub struct ChildGuard {
+    child: std::process::Child,
+    /// Its log file.
+    pub log: std::path::PathBuf,
+}
+
+impl ChildGuard {
+    /// The log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A network namespace, deleted (with its interfaces) when dropped.
 pub struct Netns {
     /// Its name.
@@ -37,11 +58,29 @@ impl Netns {
         ip(&full);
     }
 
-    /// A command that runs `program` inside the namespace.
+    /// A command that runs `program` inside the namespace (stdin and stdout closed).
     pub fn command(&self, program: &str) -> Command {
         let mut command = Command::new("ip");
-        command.args(["netns", "exec", &self.name, program]);
         command
+            .args(["netns", "exec", &self.name, program])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null());
+        command
+    }
+
+    /// Starts the agent binary inside the namespace with `config`, logging to `log`; the process
+    /// is killed when the guard drops.
+    pub fn spawn_agent(&self, config: &serde_json::Value, dir: &std::path::Path, name: &str) -> ChildGuard {
+        let file = dir.join(format!("{name}.yaml"));
+        std::fs::write(&file, config.to_string()).expect("agent config");
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).expect("agent log");
+        let child = self
+            .command(crate::bins::bin_path("tether-agent").to_str().unwrap_or_default())
+            .args(["-c", file.to_str().unwrap_or_default()])
+            .stderr(log)
+            .spawn()
+            .expect("start tether-agent in the namespace");
+        ChildGuard { child, log: dir.join(format!("{name}.log")) }
     }
 
     /// Runs `sh -c script` inside the namespace.

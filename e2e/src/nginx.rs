@@ -1,12 +1,13 @@
 //! Running a real nginx in the foreground with a generated configuration.
 
 use std::path::Path;
-use std::process::{Child, Command};
 use std::time::Duration;
+
+use crate::daemons::Daemon;
 
 /// An nginx process, stopped (SIGTERM, then SIGKILL) when dropped.
 pub struct Nginx {
-    child: Child,
+    daemon: Daemon,
 }
 
 impl Nginx {
@@ -28,17 +29,9 @@ impl Nginx {
         );
         let file = dir.join("nginx.conf");
         std::fs::write(&file, conf).expect("write nginx.conf");
-        let mut command = match netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns, "nginx"]);
-                c
-            }
-            None => Command::new("nginx"),
-        };
-        command.args(["-c", &file.display().to_string(), "-e", &format!("{d}/stderr.log")]);
-        let child = command.spawn().expect("start nginx (apt-get install nginx libnginx-mod-stream)");
-        Self { child }
+        let stderr = format!("{d}/stderr.log");
+        let daemon = Daemon::spawn("nginx", "nginx", &["-c", &file.display().to_string(), "-e", &stderr], dir, netns);
+        Self { daemon }
     }
 
     /// The http block's common settings: temp paths and an access log under `$DIR`.
@@ -47,24 +40,8 @@ impl Nginx {
     }
 
     /// Stops nginx and waits for it.
-    // Called from Drop, which cannot await; the waits are a few 50 ms naps at most.
-    #[allow(clippy::disallowed_methods)]
     pub fn stop(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-        for _ in 0..40 {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        self.stop();
+        self.daemon.stop();
     }
 }
 

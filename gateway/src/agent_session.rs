@@ -84,8 +84,10 @@ pub async fn run<T>(
     let driver = tokio::spawn(driver);
     let reason = serve(&shared, &tenant, identity, &session, &mut incoming, peer, conn_id).await;
     session.close();
-    if tokio::time::timeout(Duration::from_secs(5), driver).await.is_err() {
-        tracing::debug!(tenant = %tenant.name, %peer, "session driver did not stop in time");
+    match tokio::time::timeout(Duration::from_secs(5), driver).await {
+        Ok(Ok(Err(e))) => tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent tunnel ended"),
+        Err(_) => tracing::debug!(tenant = %tenant.name, %peer, "session driver did not stop in time"),
+        _ => {}
     }
     metrics::counter!(SESSIONS_CLOSED, "tenant" => tenant.name.to_string(), "reason" => reason.label()).increment(1);
     drop(slots);

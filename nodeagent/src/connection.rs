@@ -216,7 +216,11 @@ async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishErro
     let token = read_token(&ctx.token_file).await?;
     let ws = client::connect(&ctx.client, Some(&token)).await?;
     let (session, incoming, driver) = mux::start(ws, Role::Client, &ctx.mux);
-    tokio::spawn(driver);
+    tokio::spawn(async move {
+        if let Err(e) = driver.await {
+            tracing::warn!(error = %e, "tunnel session to the gateway ended");
+        }
+    });
     let handshake = async {
         let mut control = session.open().await.map_err(|e| e.to_string())?;
         let open = StreamOpen::Control(ControlOpen { version: PROTOCOL_VERSION });

@@ -25,7 +25,12 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), String> {
         _ => EnvFilter::try_new(filter),
     }
     .map_err(|e| format!("bad log filter: {e}"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    use std::io::IsTerminal;
+    // Colours only for a person at a terminal; files and log collectors get plain text.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let result = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),

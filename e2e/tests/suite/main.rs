@@ -6,6 +6,7 @@ mod auth;
 mod binaries;
 mod forward;
 mod oidc;
+mod paths;
 mod resilience;
 mod support;
 mod tenancy;

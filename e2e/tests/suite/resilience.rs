@@ -125,3 +125,82 @@ async fn garbage_closes_one_session_never_the_process() {
     echo_roundtrip(deployment.frontend_addr, echo).await.unwrap();
     deployment.shutdown().await;
 }
+
+/// The gateway restarts while dials and transfers run: every in-flight dial ends cleanly (an
+/// HTTP error or a closed connection, never a hang or wrong bytes), all agents come back, and new
+/// dials succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_restart_under_load_fails_in_flight_dials_cleanly() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tether_loadtest::local::{LocalDeployment, LocalOptions};
+
+    let echo = crate::support::echo_server().await;
+    let agents = (0..10).map(|i| crate::support::agent_for(&format!("node-{i}"), echo)).collect();
+    let mut deployment = LocalDeployment::start(LocalOptions { agents, ..LocalOptions::default() }).await.unwrap();
+    deployment.wait_connected(Duration::from_secs(15)).await.unwrap();
+    let frontend = deployment.frontend_addr;
+    let (ok, clean_failures, running) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(true)));
+    let mut workers = Vec::new();
+    for worker in 0..8 {
+        let (ok, clean_failures, running) = (ok.clone(), clean_failures.clone(), running.clone());
+        workers.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while running.load(Ordering::Relaxed) {
+                i += 1;
+                let payload = format!("worker {worker} dial {i} ").repeat(200);
+                let attempt = tokio::time::timeout(Duration::from_secs(20), async {
+                    let mut tunnel = match connect_tcp(frontend, &echo.to_string()).await {
+                        Ok(Ok(tunnel)) => tunnel,
+                        Ok(Err(refused)) => {
+                            assert!(
+                                matches!(refused.status, 502 | 503),
+                                "unexpected status {}: {}",
+                                refused.status,
+                                refused.reason
+                            );
+                            return false;
+                        }
+                        Err(_) => return false, // the frontend is down: connection refused
+                    };
+                    if tunnel.write_all(payload.as_bytes()).await.is_err() {
+                        return false;
+                    }
+                    let mut got = vec![0u8; payload.len()];
+                    match tunnel.read_exact(&mut got).await {
+                        Ok(_) => {
+                            assert_eq!(got, payload.as_bytes(), "a tunnel must never deliver wrong bytes");
+                            true
+                        }
+                        Err(_) => false, // cut by the restart
+                    }
+                })
+                .await
+                .expect("a dial hung across the restart");
+                if attempt {
+                    ok.fetch_add(1, Ordering::Relaxed)
+                } else {
+                    clean_failures.fetch_add(1, Ordering::Relaxed)
+                };
+                if !attempt {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = ok.load(Ordering::Relaxed);
+    assert!(before > 0);
+    deployment.restart_gateway().await.unwrap();
+    deployment.wait_connected(Duration::from_secs(20)).await.unwrap();
+    let after_restart = ok.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    running.store(false, Ordering::Relaxed);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    assert!(ok.load(Ordering::Relaxed) > after_restart, "new dials succeed once the agents are back");
+    echo_roundtrip(frontend, echo).await.unwrap();
+    deployment.shutdown().await;
+}
