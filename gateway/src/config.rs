@@ -486,8 +486,14 @@ pub const HMAC_ALGORITHMS: &[&str] = &["HS256", "HS384", "HS512"];
 impl GatewayConfig {
     /// Loads the file (if any) plus environment overrides, then validates.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        Self::load_checked(file, true)
+    }
+
+    /// Like [`load`](Self::load); with `check_files` false, referenced files need not exist
+    /// (checking a configuration rendered for another machine, e.g. a Helm chart).
+    pub fn load_checked(file: Option<&Path>, check_files: bool) -> anyhow::Result<Self> {
         let config: Self = tether_tunnel::settings::load(file)?;
-        let problems = config.validate();
+        let problems = config.validate_with(check_files);
         if !problems.is_empty() {
             let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
             let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
@@ -498,7 +504,17 @@ impl GatewayConfig {
 
     /// Every problem found, each naming its key and the fix. Empty when the configuration is usable.
     pub fn validate(&self) -> Vec<ConfigError> {
+        self.validate_with(true)
+    }
+
+    /// Like [`validate`](Self::validate); with `check_files` false, referenced files need not exist.
+    pub fn validate_with(&self, check_files: bool) -> Vec<ConfigError> {
         let mut problems = Vec::new();
+        let check_file = |problems: &mut Vec<ConfigError>, key: &str, path: &Path| {
+            if check_files {
+                check_file(problems, key, path);
+            }
+        };
         if self.tenants.is_empty() {
             problems.push(problem(
                 "tenants",

@@ -22,6 +22,10 @@ struct Cli {
     /// Validate the configuration (files included) and exit.
     #[arg(long)]
     check_config: bool,
+    /// With --check-config: do not require referenced files to exist (for configurations
+    /// rendered for another machine, such as a Helm chart's).
+    #[arg(long, requires = "check_config")]
+    offline: bool,
     /// Log format (overrides log.format).
     #[arg(long, value_enum)]
     log_format: Option<LogFormat>,
@@ -32,7 +36,7 @@ struct Cli {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let config = match GatewayConfig::load(cli.config.as_deref()) {
+    let config = match GatewayConfig::load_checked(cli.config.as_deref(), !cli.offline) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("tether-gateway: {e:#}");

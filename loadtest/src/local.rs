@@ -378,7 +378,8 @@ pub fn loopback(port: u16) -> SocketAddr {
 /// Allows `ip` on `ports`.
 pub fn allow(ip: IpAddr, ports: &[u16]) -> AllowRule {
     AllowRule {
-        cidr: ipnet::IpNet::from(ip),
+        cidr: Some(ipnet::IpNet::from(ip)),
+        own_addresses: false,
         ports: ports.iter().map(|p| tether_agent::allowlist::PortSpec::One(*p)).collect(),
     }
 }

@@ -51,14 +51,20 @@ pub struct AllowList {
 }
 
 impl AllowList {
-    /// Compiles validated rules (invalid port specs are skipped; validation reports them).
-    pub fn new(rules: &[AllowRule]) -> Self {
-        Self {
-            rules: rules
-                .iter()
-                .map(|r| (r.cidr.trunc(), r.ports.iter().filter_map(|p| p.range().ok()).collect()))
-                .collect(),
+    /// Compiles validated rules (invalid port specs are skipped; validation reports them);
+    /// `own_addresses` rules expand to each of `own` as a host network.
+    pub fn new(rules: &[AllowRule], own: &[IpAddr]) -> Self {
+        let mut compiled = Vec::new();
+        for rule in rules {
+            let ports: Vec<RangeInclusive<u16>> = rule.ports.iter().filter_map(|p| p.range().ok()).collect();
+            if let Some(cidr) = rule.cidr {
+                compiled.push((cidr.trunc(), ports.clone()));
+            }
+            if rule.own_addresses {
+                compiled.extend(own.iter().map(|ip| (IpNet::from(canonical(*ip)), ports.clone())));
+            }
         }
+        Self { rules: compiled }
     }
 
     /// Whether `ip:port` may be dialed.
@@ -94,8 +100,13 @@ mod tests {
         AllowList::new(
             &rules
                 .iter()
-                .map(|(cidr, ports)| AllowRule { cidr: cidr.parse().unwrap(), ports: ports.to_vec() })
+                .map(|(cidr, ports)| AllowRule {
+                    cidr: Some(cidr.parse().unwrap()),
+                    own_addresses: false,
+                    ports: ports.to_vec(),
+                })
                 .collect::<Vec<_>>(),
+            &[],
         )
     }
 
@@ -115,6 +126,16 @@ mod tests {
         assert!(allow.allows("fd00::9".parse().unwrap(), 22));
         assert!(allow.allows("::ffff:10.0.0.5".parse().unwrap(), 10250), "mapped IPv4 is checked as IPv4");
         assert!(allow.allows_port(31000) && !allow.allows_port(80));
+    }
+
+    #[test]
+    fn own_addresses_expand_to_the_declared_addresses() {
+        let rule = AllowRule { cidr: None, own_addresses: true, ports: vec![PortSpec::One(10250)] };
+        let allow = AllowList::new(&[rule], &["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()]);
+        assert!(allow.allows("10.0.0.5".parse().unwrap(), 10250));
+        assert!(allow.allows("fd00::5".parse().unwrap(), 10250));
+        assert!(!allow.allows("10.0.0.6".parse().unwrap(), 10250));
+        assert!(!allow.allows("10.0.0.5".parse().unwrap(), 22));
     }
 
     #[test]

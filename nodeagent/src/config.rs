@@ -145,7 +145,12 @@ pub struct IdentifiersConfig {
 #[serde(deny_unknown_fields)]
 pub struct AllowRule {
     /// Network, e.g. `10.0.0.5/32` or `10.0.0.0/8`.
-    pub cidr: IpNet,
+    #[serde(default)]
+    pub cidr: Option<IpNet>,
+    /// Instead of `cidr`: each of the agent's own `identifiers.addresses` (e.g. the node's IP
+    /// from the downward API), so a DaemonSet can allow "this node's kubelet" without templating.
+    #[serde(default)]
+    pub own_addresses: bool,
     /// Ports: numbers or ranges like `"30000-32767"`. Empty means no port.
     pub ports: Vec<PortSpec>,
 }
@@ -222,8 +227,14 @@ mod defaults {
 impl AgentConfig {
     /// Loads the file (if any) plus environment overrides, then validates.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+        Self::load_checked(file, true)
+    }
+
+    /// Like [`load`](Self::load); with `check_files` false, referenced files need not exist
+    /// (checking a configuration rendered for another machine, e.g. a Helm chart).
+    pub fn load_checked(file: Option<&Path>, check_files: bool) -> anyhow::Result<Self> {
         let config: Self = tether_tunnel::settings::load(file)?;
-        let problems = config.validate();
+        let problems = config.validate_with(check_files);
         if !problems.is_empty() {
             let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
             let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
@@ -234,6 +245,11 @@ impl AgentConfig {
 
     /// Every problem found, as `key: problem and fix`.
     pub fn validate(&self) -> Vec<String> {
+        self.validate_with(true)
+    }
+
+    /// Like [`validate`](Self::validate); with `check_files` false, referenced files need not exist.
+    pub fn validate_with(&self, check_files: bool) -> Vec<String> {
         let mut problems = Vec::new();
         let gw = &self.gateway;
         match gw.url.parse::<http::Uri>() {
@@ -251,7 +267,7 @@ impl AgentConfig {
                 problems.push(format!("gateway.url: {:?} is not a URL ({e}); use wss://<host>/v1/tunnel", gw.url))
             }
         }
-        if !gw.token_file.is_file() {
+        if check_files && !gw.token_file.is_file() {
             problems.push(format!(
                 "gateway.token_file: {} does not exist; point it at the projected ServiceAccount token",
                 gw.token_file.display()
@@ -282,7 +298,7 @@ impl AgentConfig {
             }
         }
         if let Some(file) = &gw.proxy.password_file {
-            if !file.is_file() {
+            if check_files && !file.is_file() {
                 problems.push(format!("gateway.proxy.password_file: {} does not exist", file.display()));
             }
             if gw.proxy.username.is_none() {
@@ -293,8 +309,16 @@ impl AgentConfig {
             problems.push("gateway.token_check_interval: must be at least 1s".into());
         }
         for (i, rule) in self.allow.iter().enumerate() {
+            if rule.cidr.is_some() == rule.own_addresses {
+                problems.push(format!("allow[{i}]: set exactly one of cidr or own_addresses: true"));
+            }
+            if rule.own_addresses && self.identifiers.addresses.is_empty() {
+                problems.push(format!(
+                    "allow[{i}].own_addresses: identifiers.addresses is empty (set it, e.g. from the node IP)"
+                ));
+            }
             if rule.ports.is_empty() {
-                problems.push(format!("allow[{i}].ports: list the ports allowed in {}, e.g. [10250]", rule.cidr));
+                problems.push(format!("allow[{i}].ports: list the allowed ports, e.g. [10250]"));
             }
             for port in &rule.ports {
                 if let Err(e) = port.range() {

@@ -59,7 +59,7 @@ impl Agent {
         } else {
             None
         };
-        let allow = allowlist::AllowList::new(&config.allow);
+        let allow = allowlist::AllowList::new(&config.allow, &config.identifiers.addresses);
         if allow.is_empty() {
             tracing::warn!("the allow list is empty: every dial from the gateway will be refused");
         }

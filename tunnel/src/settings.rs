@@ -36,6 +36,9 @@ pub fn load<T: DeserializeOwned>(file: Option<&Path>) -> Result<T, SettingsError
             .try_parsing(true)
             .list_separator(",")
             .with_list_parse_key("tenants")
+            .with_list_parse_key("identifiers.hosts")
+            .with_list_parse_key("identifiers.addresses")
+            .with_list_parse_key("identifiers.cidrs")
             .ignore_empty(true),
     );
     let merged = builder.build().map_err(|e| error(e.to_string()))?;
