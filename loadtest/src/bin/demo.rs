@@ -2,8 +2,9 @@
 //!
 //! Generates a CA, certificates and a dev token signing key, starts a gateway (TLS agent
 //! endpoint, CONNECT frontends on TCP and a Unix socket) and two agents, each in front of a sample
-//! node-side HTTP server; pushes CONNECT dials and checksummed bulk transfers through; prints a
-//! report and commands to try; runs until Ctrl-C.
+//! node-side HTTP server, plus a TLS server standing in for the tenant's kube-apiserver that the
+//! nodes reach through their agents (node -> control plane). Pushes traffic both ways, prints a
+//! report and commands to try, and runs until Ctrl-C.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
@@ -12,8 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use clap::Parser;
 use hdrhistogram::Histogram;
+use tether_agent::config::ListenerConfig;
+use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
 use tether_loadtest::backends;
 use tether_loadtest::connect_client::{connect_tcp, connect_uds};
+use tether_loadtest::devpki::{DevCa, PemPair};
 use tether_loadtest::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -26,7 +30,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(version, about)]
 struct Cli {
     /// First port to use: gateway agent endpoint = base, CONNECT frontend = base+1, gateway admin
-    /// = base+2, node servers = base+10 and base+11.
+    /// = base+2, node servers = base+10 and base+11, kube-apiserver stand-in = base+12, agent
+    /// node -> control-plane listener = base+13.
     #[arg(long, default_value_t = 18440)]
     base_port: u16,
     /// Exit after the report instead of waiting for Ctrl-C.
@@ -62,7 +67,9 @@ struct Node {
 async fn run(cli: Cli) -> anyhow::Result<bool> {
     let base = cli.base_port;
     anyhow::ensure!(base < 65000, "--base-port must leave room for 20 ports below 65535");
-    println!("Tether demo: one gateway, two agents, two node-side servers, all on loopback.\n");
+    println!(
+        "Tether demo: one gateway, two agents, node-side servers and a kube-apiserver stand-in, all on loopback.\n"
+    );
     let mut nodes = Vec::new();
     for (i, id) in ["node-1", "node-2"].into_iter().enumerate() {
         let ip = IpAddr::from([127, 0, 1, i as u8 + 1]);
@@ -90,6 +97,14 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             }
         })
         .collect();
+    // A stand-in for the tenant's kube-apiserver in the "control plane": TLS with its own CA.
+    let kas_dir = tether_loadtest::local::ScratchDir::new("tether-demo-kas")?;
+    let kas_ca = DevCa::create(kas_dir.path(), "kube-apiserver")?;
+    let kas_addr = SocketAddr::new(IpAddr::from([127, 0, 2, 1]), base + 12);
+    let kas_cert = kas_ca.server("kube-apiserver", &["kubernetes.default.svc", "127.0.3.1"])?;
+    spawn_kas(&kas_cert, kas_addr).await?;
+    let listener_addr = SocketAddr::new(IpAddr::from([127, 0, 3, 1]), base + 13);
+
     let (agents_port, frontend_port, admin_port) = (base, base + 1, base + 2);
     let deployment = LocalDeployment::start(LocalOptions {
         agents,
@@ -100,6 +115,18 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 if let Some(tcp) = tenant.frontend.tcp.as_mut() {
                     tcp.listen = loopback(frontend_port);
                 }
+                tenant.node_to_controlplane = Some(NodeToControlPlane {
+                    targets: vec![ForwardTarget {
+                        name: "kube-apiserver".into(),
+                        address: kas_addr.to_string(),
+                        allowed_networks: vec![],
+                    }],
+                });
+            }
+        })),
+        tweak_agent: Some(std::sync::Arc::new(move |id, config| {
+            if id == "node-1" {
+                config.listeners = vec![ListenerConfig { bind: listener_addr, target: "kube-apiserver".into() }];
             }
         })),
         ..LocalOptions::default()
@@ -111,6 +138,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     println!("  gateway       wss://{} (TLS, tenant host demo.tether.local)", deployment.agent_addr);
     println!("  frontends     TCP {}  |  Unix socket {}", deployment.frontend_addr, deployment.frontend_uds.display());
     println!("  admin         http://{}/metrics", deployment.admin_addr);
+    println!("  control plane kube-apiserver stand-in at {kas_addr} (TLS, its own CA)");
+    println!("  node -> CP    agent node-1 listens on {listener_addr} -> target kube-apiserver");
     for (node, agent) in nodes.iter().zip(&deployment.agents) {
         println!(
             "  agent {}    serves {} (admin http://{})",
@@ -126,6 +155,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     let uds = dial_round(&cli, &nodes, Frontend::Unix(&deployment.frontend_uds)).await;
     let bulk = bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20).await;
     let refused = check_refusal(deployment.frontend_addr).await;
+    let upstream = node_to_controlplane(listener_addr, &kas_ca.ca_cert, cli.dials.min(50)).await;
 
     println!("  {:<38} {:>8} {:>10} {:>10} {:>10}", "check", "result", "p50", "p99", "rate");
     for (name, round) in [("CONNECT dials via TCP frontend", &tcp), ("CONNECT dials via Unix socket", &uds)] {
@@ -152,6 +182,23 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
             println!("  bulk transfer FAILED: {e}");
         }
     }
+    match &upstream {
+        Ok(round) => {
+            all_ok &= round.failures == 0;
+            println!(
+                "  {:<38} {:>8} {:>10} {:>10} {:>10}",
+                "node -> control plane, TLS end to end",
+                format!("{}/{}", round.ok, round.ok + round.failures),
+                micros(round.latency.value_at_quantile(0.5)),
+                micros(round.latency.value_at_quantile(0.99)),
+                format!("{:.0}/s", round.per_second),
+            );
+        }
+        Err(e) => {
+            all_ok = false;
+            println!("  node -> control plane FAILED: {e}");
+        }
+    }
     match &refused {
         Ok(reason) => println!("  {:<38} {:>8}   {}", "target off the allow list", "refused", reason),
         Err(e) => {
@@ -174,6 +221,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         "  printf 'CONNECT {} HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\nGET / HTTP/1.0\\r\\n\\r\\n' | nc -U {}",
         node.addr,
         deployment.frontend_uds.display()
+    );
+    println!(
+        "  curl --cacert {} --resolve kubernetes.default.svc:{}:{} https://kubernetes.default.svc:{}/version",
+        kas_ca.ca_cert.display(),
+        listener_addr.port(),
+        listener_addr.ip(),
+        listener_addr.port()
     );
     println!("  curl -s http://{}/metrics | grep ^tether_gateway", deployment.admin_addr);
     println!("  curl -s http://{}/readyz", deployment.admin_addr);
@@ -261,11 +315,15 @@ async fn bulk_round(frontend: SocketAddr, bulk: SocketAddr, bytes: u64) -> Resul
         if n == 0 {
             break;
         }
-        for (i, byte) in buf[..n].iter().enumerate() {
-            let at = ((received + i as u64) % pattern.len() as u64) as usize;
-            if *byte != pattern[at] {
-                return Err(format!("byte {} differs", received + i as u64));
+        // Compare against the pattern in at most a few slice comparisons per read.
+        let mut checked = 0;
+        while checked < n {
+            let at = ((received + checked as u64) % pattern.len() as u64) as usize;
+            let len = (n - checked).min(pattern.len() - at);
+            if buf[checked..checked + len] != pattern[at..at + len] {
+                return Err(format!("bytes near offset {} differ", received + checked as u64));
             }
+            checked += len;
         }
         received += n as u64;
     }
@@ -301,6 +359,84 @@ async fn check_refusal(frontend: SocketAddr) -> Result<String, String> {
         Ok(Ok(_)) => Err("the dial was allowed".into()),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// Serves `GET /version` over TLS with the kube-apiserver stand-in's own certificate.
+async fn spawn_kas(cert: &PemPair, addr: SocketAddr) -> anyhow::Result<()> {
+    let resolver = tether_tunnel::tls::ReloadableCert::load(&cert.cert, &cert.key)?;
+    let config = tether_tunnel::tls::server_config(resolver, None, &[b"http/1.1"])?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(stream).await else { return };
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+                    match tls.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let sni = tls.get_ref().1.server_name().unwrap_or("-").to_owned();
+                let body = format!(
+                    "{{\"major\":\"1\",\"minor\":\"31\",\"gitVersion\":\"v1.31.0-tether-demo\",\"sni\":\"{sni}\"}}\n"
+                );
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = tls.write_all(response.as_bytes()).await;
+                let _ = tls.shutdown().await;
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Node-side clients reach the kube-apiserver through the agent's listener, verifying its own
+/// certificate (the tunnel never terminates TLS).
+async fn node_to_controlplane(listener: SocketAddr, kas_ca: &Path, requests: usize) -> Result<Round, String> {
+    let roots = tether_tunnel::tls::ClientRoots { ca_file: Some(kas_ca.to_owned()), system_roots: false };
+    let config = tether_tunnel::tls::client_config(&roots, None, &[b"http/1.1"]).map_err(|e| e.to_string())?;
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let mut latency = tether_loadtest::latency_histogram();
+    let (mut ok, mut failures) = (0, 0);
+    let started = Instant::now();
+    for _ in 0..requests {
+        let begin = Instant::now();
+        let attempt = async {
+            let tcp = tokio::net::TcpStream::connect(listener).await.map_err(|e| e.to_string())?;
+            let name = rustls_pki_types::ServerName::try_from("kubernetes.default.svc").map_err(|e| e.to_string())?;
+            let mut tls = connector.connect(name, tcp).await.map_err(|e| format!("TLS: {e}"))?;
+            tls.write_all(b"GET /version HTTP/1.1\r\nHost: kubernetes.default.svc\r\n\r\n")
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut response = String::new();
+            tls.read_to_string(&mut response).await.map_err(|e| e.to_string())?;
+            if response.contains("v1.31.0-tether-demo") && response.contains("\"sni\":\"kubernetes.default.svc\"") {
+                Ok(())
+            } else {
+                Err(format!("unexpected answer: {response}"))
+            }
+        };
+        match attempt.await {
+            Ok(()) => {
+                ok += 1;
+                let _ = latency.record(u64::try_from(begin.elapsed().as_micros()).unwrap_or(u64::MAX).max(1));
+            }
+            Err(e) => {
+                failures += 1;
+                eprintln!("node -> control plane request failed: {e}");
+            }
+        }
+    }
+    if ok == 0 {
+        return Err(format!("all {failures} requests failed"));
+    }
+    Ok(Round { ok, failures, latency, per_second: ok as f64 / started.elapsed().as_secs_f64().max(1e-9) })
 }
 
 fn truncate(s: &str, n: usize) -> String {
