@@ -42,6 +42,9 @@ pub struct MuxCompareArgs {
     /// tokio-yamux stream windows to try, KiB (at least 256: smaller windows panic).
     #[arg(long, value_delimiter = ',', default_value = "256,4096")]
     pub tokio_yamux_windows_kib: Vec<u32>,
+    /// yamux `split_send_size` values to try, KiB (the tunnel's default is 256).
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    pub yamux_split_kib: Vec<usize>,
     /// What the multiplexers run over: `wss` (the tunnel's stack) or `tcp` (plain loopback TCP,
     /// to separate the multiplexer from the WebSocket and TLS layers).
     #[arg(long, default_value = "wss")]
@@ -57,7 +60,7 @@ type BoxIo = Box<dyn Io>;
 enum Stack {
     Direct,
     WsOnly,
-    Yamux,
+    Yamux(usize),
     TokioYamux(u32),
 }
 
@@ -66,7 +69,8 @@ impl Stack {
         match self {
             Self::Direct => "direct".into(),
             Self::WsOnly => "wss_no_mux".into(),
-            Self::Yamux => "yamux".into(),
+            Self::Yamux(256) => "yamux".into(),
+            Self::Yamux(kib) => format!("yamux_split_{kib}k"),
             Self::TokioYamux(kib) => format!("tokio_yamux_{kib}k"),
         }
     }
@@ -75,7 +79,8 @@ impl Stack {
         match self {
             Self::Direct => "direct TCP".into(),
             Self::WsOnly => "no mux".into(),
-            Self::Yamux => "yamux (tether)".into(),
+            Self::Yamux(256) => "yamux (tether)".into(),
+            Self::Yamux(kib) => format!("yamux, {kib} KiB frames"),
             Self::TokioYamux(kib) => format!("tokio-yamux {kib} KiB window"),
         }
     }
@@ -214,6 +219,14 @@ where
     Ok((counter.load(Ordering::Relaxed) as f64 / MIB / secs, samples))
 }
 
+/// One measurement of one stack.
+struct Measured {
+    mib_s: f64,
+    /// This process's resident memory right after the measurement.
+    rss_mib: f64,
+    samples: Vec<f64>,
+}
+
 async fn measure(
     tls: &Tls,
     transport: &str,
@@ -221,7 +234,7 @@ async fn measure(
     streams: usize,
     duration: Duration,
     progress: &Progress,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Measured> {
     let label = format!("{} x{streams}", stack.label());
     let mut background: Vec<JoinHandle<()>> = Vec::new();
     let result = match stack {
@@ -247,9 +260,9 @@ async fn measure(
             background.push(tokio::spawn(serve_download(server)));
             download(vec![client], duration, progress, &label).await?
         }
-        Stack::Yamux => {
+        Stack::Yamux(split_kib) => {
             let (client, server) = tls.pair(transport).await?;
-            let settings = MuxSettings::default();
+            let settings = MuxSettings { split_send_size: split_kib * 1024, ..MuxSettings::default() };
             let (_server_session, mut incoming, server_driver) = mux::start(server, Role::Server, &settings);
             background.push(tokio::spawn(async move {
                 let _ = server_driver.await;
@@ -301,7 +314,7 @@ async fn measure(
         task.abort();
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok((result.0, rss_mib))
+    Ok(Measured { mib_s: result.0, rss_mib, samples: result.1 })
 }
 
 /// Runs the scenario.
@@ -309,9 +322,10 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
     let started = Instant::now();
     let tls = Tls::create()?;
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
-    let mut stacks = vec![Stack::Direct, Stack::WsOnly, Stack::Yamux];
+    let mut stacks = vec![Stack::Direct, Stack::WsOnly];
+    stacks.extend(args.yamux_split_kib.iter().map(|k| Stack::Yamux((*k).clamp(16, 1024))));
     stacks.extend(args.tokio_yamux_windows_kib.iter().map(|w| Stack::TokioYamux((*w).max(256))));
-    let mut results: BTreeMap<(Stack, usize), Vec<(f64, f64)>> = BTreeMap::new();
+    let mut results: BTreeMap<(Stack, usize), Vec<Measured>> = BTreeMap::new();
     for _ in 0..args.repeat.max(1) {
         for &streams in &args.streams {
             for &stack in &stacks {
@@ -328,7 +342,7 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
         "local",
         serde_json::json!({
             "duration_s": args.duration, "repeat": args.repeat, "streams": args.streams,
-            "tokio_yamux_windows_kib": args.tokio_yamux_windows_kib,
+            "tokio_yamux_windows_kib": args.tokio_yamux_windows_kib, "yamux_split_kib": args.yamux_split_kib,
             "transport": args.transport,
             "stack": if args.transport == "tcp" { "plain loopback TCP" } else { "WebSocket byte stream (tether_tunnel::ws) over TLS (rustls, aws-lc-rs) over loopback TCP" },
         }),
@@ -342,13 +356,13 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
         let direct = median(
             &results
                 .get(&(Stack::Direct, streams))
-                .map(|v| v.iter().map(|x| x.0).collect::<Vec<_>>())
+                .map(|v| v.iter().map(|x| x.mib_s).collect::<Vec<_>>())
                 .unwrap_or_default(),
         );
         for (s, &stack) in stacks.iter().enumerate() {
             let Some(values) = results.get(&(stack, streams)) else { continue };
-            let mib_s = median(&values.iter().map(|x| x.0).collect::<Vec<_>>());
-            let rss = values.iter().map(|x| x.1).fold(0.0, f64::max);
+            let mib_s = median(&values.iter().map(|x| x.mib_s).collect::<Vec<_>>());
+            let rss = values.iter().map(|x| x.rss_mib).fold(0.0, f64::max);
             let key = format!("{}_{streams}_streams_mib_s", stack.key());
             if stack == Stack::Direct {
                 report.baseline.insert(key, mib_s);
@@ -358,6 +372,13 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
             }
             report.figures.insert(format!("{}_{streams}_streams_rss_mib", stack.key()), rss);
             bars[s].points.push((c as f64, mib_s));
+            if let Some(first) = values.first() {
+                report.series.push(crate::report::Series::per_second(
+                    format!("{} x{streams} (first run)", stack.label()),
+                    "MiB/s",
+                    &first.samples,
+                ));
+            }
             table.row(vec![
                 stack.label(),
                 streams.to_string(),

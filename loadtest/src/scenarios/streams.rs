@@ -122,6 +122,8 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
     drop(held);
     tokio::time::sleep(settle * 3).await;
     let (g_closed, a_closed) = sides.rss();
+    let open_after_close = procs::metric(ports.admin, "tether_gateway_streams_open").await;
+    let agent_open_after_close = procs::metric(agent_admin, "tether_agent_streams_open").await;
 
     let gateway_slope = slope(&points.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>());
     let agent_slope = slope(&points.iter().map(|p| (p.0, p.2)).collect::<Vec<_>>());
@@ -144,6 +146,12 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
     report.figures.insert("agent_kib_per_stream_endpoints".into(), (last.2 - a0) / n.max(1.0));
     if let Some(open) = open_at_gateway {
         report.figures.insert("gateway_streams_open_metric".into(), open);
+    }
+    if let Some(open) = open_after_close {
+        report.figures.insert("gateway_streams_open_after_close".into(), open);
+    }
+    if let Some(open) = agent_open_after_close {
+        report.figures.insert("agent_streams_open_after_close".into(), open);
     }
     if let (Some(g), Some(a), Some(own)) = fds {
         report.figures.insert("gateway_open_fds".into(), g as f64);
