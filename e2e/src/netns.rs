@@ -85,7 +85,12 @@ impl Netns {
 
     /// Runs `sh -c script` inside the namespace.
     pub fn sh(&self, script: &str) -> Output {
-        self.command("sh").args(["-c", script]).output().expect("run sh in namespace")
+        self.command("sh")
+            .args(["-c", script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .expect("run sh in namespace")
     }
 
     /// Links this namespace to the root namespace with a veth pair: `inner` here with

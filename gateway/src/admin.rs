@@ -22,6 +22,7 @@ pub fn router(shared: Arc<Shared>, metrics: Option<PrometheusHandle>) -> Router 
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/readyz/tenant/{name}", get(tenant_ready))
         .route("/metrics", get(render_metrics))
         .with_state(AdminState { shared, metrics })
 }
@@ -40,6 +41,29 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
         body.push_str(&format!("tenant {}: {} agent sessions\n", tenant.name, tenant.registry.len()));
     }
     (StatusCode::OK, body)
+}
+
+/// Whether this replica can serve dials for one tenant: through its own agents, or through a
+/// peer replica that holds some.
+async fn tenant_ready(
+    State(state): State<AdminState>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> (StatusCode, String) {
+    let shared = &state.shared;
+    if shared.drain_started.is_cancelled() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
+    }
+    let Some(tenant) = shared.tenants.load().by_name(&name) else {
+        return (StatusCode::NOT_FOUND, format!("no cluster named {name}\n"));
+    };
+    let local = tenant.registry.len();
+    if local > 0 {
+        return (StatusCode::OK, format!("ready: {local} local agent sessions\n"));
+    }
+    if shared.peers.as_ref().is_some_and(|p| p.tenant_served_elsewhere(&name)) {
+        return (StatusCode::OK, "ready: agents reachable through a peer replica\n".into());
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, format!("no agent of cluster {name} on this or any peer replica\n"))
 }
 
 async fn render_metrics(State(state): State<AdminState>) -> (StatusCode, [(&'static str, &'static str); 1], String) {

@@ -9,8 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tether_tunnel::framed::{FrameError, read_frame, read_raw_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxStream, Role};
 use tether_tunnel::protocol::{
-    self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen, StreamResult,
-    TokenRefreshResult, Welcome,
+    self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, ServerCount, StreamOpen,
+    StreamResult, TokenRefreshResult, Welcome,
 };
 use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
@@ -123,9 +123,10 @@ async fn serve(
         Ok(ids) => ids,
         Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason).await,
     };
+    let mut server_count = shared.peers.as_ref().map(|p| p.watch_count());
     let welcome = ControlMessage::Welcome(Welcome {
         server_id: shared.server_id.clone(),
-        server_count: 1,
+        server_count: server_count.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1),
         agent_id: agent_id.clone(),
         ping_interval_ms: u64::try_from(shared.config.keepalive.ping_interval.0.as_millis()).unwrap_or(u64::MAX),
         max_streams: u32::try_from(shared.mux.max_streams).unwrap_or(u32::MAX),
@@ -228,6 +229,17 @@ async fn serve(
                 }
             }
             () = &mut removal_deadline, if removing => break CloseReason::TenantRemoved,
+            changed = async { match server_count.as_mut() { Some(c) => c.changed().await, None => std::future::pending().await } } => {
+                if changed.is_err() {
+                    server_count = None;
+                    continue;
+                }
+                let count = server_count.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1);
+                let message = ControlMessage::ServerCount(ServerCount { server_count: count });
+                if send(&mut control_write, &message).await.is_err() {
+                    break CloseReason::ConnectionLost;
+                }
+            }
             () = shared.hard_stop.cancelled() => break CloseReason::GatewayStopped,
         }
     };

@@ -40,6 +40,9 @@ pub struct GatewayConfig {
     /// client certificate's DNS names (`tenants[].frontend.client_names`), never from SNI.
     #[serde(default)]
     pub shared_frontend: Option<SharedFrontendConfig>,
+    /// Other replicas of this gateway: discovery, the peer endpoint, mutual TLS.
+    #[serde(default)]
+    pub peers: Option<PeersConfig>,
     /// How often the configuration file is checked for changes (hot reload); 0 disables.
     #[serde(default = "defaults::reload_interval")]
     pub reload_check_interval: HumanDuration,
@@ -98,6 +101,43 @@ pub struct TlsFiles {
     pub cert_file: PathBuf,
     /// Private key (PKCS#8, PKCS#1 or SEC1).
     pub key_file: PathBuf,
+}
+
+/// Replicas find each other, learn which agents each holds, and forward dials one hop.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeersConfig {
+    /// The peer endpoint every replica listens on (inventory and forwarded dials).
+    pub listen: SocketAddr,
+    /// Mutual TLS between replicas: a certificate valid for `server_name` that every replica
+    /// presents as server and as client, and the CA that signs it.
+    pub tls: PeerTls,
+    /// A DNS name resolving to every replica (a headless Service); the peer port is `listen`'s.
+    #[serde(default)]
+    pub dns: Option<String>,
+    /// Or a fixed list of replicas' peer endpoints.
+    #[serde(default)]
+    pub addresses: Vec<SocketAddr>,
+    /// How often peers are rediscovered and their inventories fetched.
+    #[serde(default = "defaults::peer_refresh")]
+    pub refresh_interval: HumanDuration,
+    /// Most inventory entries kept per peer (bounded memory); past it, peers are asked directly.
+    #[serde(default = "defaults::peer_inventory")]
+    pub max_inventory_entries: usize,
+}
+
+/// Mutual TLS between gateway replicas.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerTls {
+    /// Certificate (server and client use) valid for `server_name`.
+    pub cert_file: PathBuf,
+    /// Its key.
+    pub key_file: PathBuf,
+    /// CA that signs every replica's peer certificate.
+    pub ca_file: PathBuf,
+    /// The name peers verify, e.g. `tether-gateway-peer`.
+    pub server_name: String,
 }
 
 /// The shared mutual-TLS CONNECT frontend.
@@ -406,6 +446,12 @@ mod defaults {
     pub fn drain_grace_period() -> HumanDuration {
         Duration::from_secs(30).into()
     }
+    pub fn peer_refresh() -> HumanDuration {
+        Duration::from_secs(2).into()
+    }
+    pub fn peer_inventory() -> usize {
+        100_000
+    }
     pub fn reload_interval() -> HumanDuration {
         Duration::from_secs(5).into()
     }
@@ -545,6 +591,23 @@ impl GatewayConfig {
         let mut sockets = HashSet::new();
         let mut ports = HashSet::from([self.listen.agents, self.listen.admin]);
         let mut client_names = HashSet::new();
+        if let Some(peers) = &self.peers {
+            if peers.listen.port() != 0 && !ports.insert(peers.listen) {
+                problems.push(problem("peers.listen", format!("{} is already used", peers.listen)));
+            }
+            check_file(&mut problems, "peers.tls.cert_file", &peers.tls.cert_file);
+            check_file(&mut problems, "peers.tls.key_file", &peers.tls.key_file);
+            check_file(&mut problems, "peers.tls.ca_file", &peers.tls.ca_file);
+            if peers.dns.is_none() && peers.addresses.is_empty() {
+                problems.push(problem(
+                    "peers",
+                    "set peers.dns (a headless Service name) or peers.addresses so replicas can find each other",
+                ));
+            }
+            if peers.refresh_interval.0 < Duration::from_millis(100) {
+                problems.push(problem("peers.refresh_interval", "must be at least 100ms (default 2s)"));
+            }
+        }
         if let Some(shared) = &self.shared_frontend {
             if shared.listen.port() != 0 && !ports.insert(shared.listen) {
                 problems.push(problem("shared_frontend.listen", format!("{} is already used", shared.listen)));

@@ -4,10 +4,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::mux::{MuxError, MuxStream};
 use tether_tunnel::protocol::{DialRequest, ErrorCode, MAX_STREAM_FRAME, StreamOpen, StreamResult};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::OwnedSemaphorePermit;
+
+use crate::config::RoutingStrategy;
+use crate::server::Shared;
 
 use crate::metrics::{DIAL_DURATION, DIALS, STREAMS_OPEN};
 use crate::registry::{AgentSession, StreamGuard};
@@ -77,13 +85,53 @@ impl DialError {
     }
 }
 
+/// The tunnelled stream: through one of this replica's agents, or through a peer replica.
+pub enum DialedStream {
+    /// A stream on a local agent session.
+    Local(MuxStream),
+    /// A connection to a peer replica that dialed through its agent.
+    Peer(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
+}
+
+impl AsyncRead for DialedStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Local(s) => Pin::new(s).poll_read(cx, buf),
+            Self::Peer(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for DialedStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Local(s) => Pin::new(s).poll_write(cx, buf),
+            Self::Peer(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Local(s) => Pin::new(s).poll_flush(cx),
+            Self::Peer(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Local(s) => Pin::new(s).poll_shutdown(cx),
+            Self::Peer(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
 /// An open tunnelled stream to a target, with the bookkeeping that must live as long as it.
 pub struct Dialed {
     /// The stream; raw bytes to and from the target.
-    pub stream: MuxStream,
-    /// The agent session carrying it.
-    pub agent: Arc<AgentSession>,
-    _load: StreamGuard,
+    pub stream: DialedStream,
+    /// Who carries it: an agent id, or `via <replica>`.
+    pub carrier: String,
+    _load: Option<StreamGuard>,
     _permit: OwnedSemaphorePermit,
     _open: OpenStreamGauge,
 }
@@ -105,10 +153,11 @@ impl Drop for OpenStreamGauge {
 
 static REQUEST_IDS: AtomicU64 = AtomicU64::new(1);
 
-/// Dials `target` through the best agent of `tenant`, and records the outcome in metrics.
-pub async fn dial(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
+/// Dials `target` for `tenant`: each routing strategy is tried on this replica's agents first,
+/// then on peer replicas whose agents match (one hop). Records the outcome in metrics.
+pub async fn dial(shared: &Shared, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
     let started = Instant::now();
-    let result = dial_inner(tenant, target).await;
+    let result = dial_routed(shared, tenant, target).await;
     let label = match &result {
         Ok(_) => "ok",
         Err(e) => e.label(),
@@ -118,7 +167,40 @@ pub async fn dial(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialEr
     result
 }
 
-async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
+async fn dial_routed(shared: &Shared, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
+    let config = tenant.config();
+    let Some(peers) = shared.peers.as_ref() else {
+        return dial_local(tenant, target, &config.routing).await;
+    };
+    let timeout = config.limits.dial_timeout.0;
+    for strategy in &config.routing {
+        if tenant.registry.pick_for(target, std::slice::from_ref(strategy)).is_some() {
+            return dial_local(tenant, target, std::slice::from_ref(strategy)).await;
+        }
+        for (addr, server_id) in peers.candidates(&tenant.name, *strategy, target).into_iter().take(2) {
+            let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(config.limits.max_streams))?;
+            match peers.client().forward(addr, &tenant.name, *strategy, target, timeout).await {
+                Ok(stream) => {
+                    tracing::debug!(tenant = %tenant.name, %target, peer = %server_id, "dial forwarded to a peer replica");
+                    return Ok(Dialed {
+                        stream: DialedStream::Peer(Box::new(stream)),
+                        carrier: format!("via {server_id}"),
+                        _load: None,
+                        _permit: permit,
+                        _open: OpenStreamGauge::new(&tenant.name),
+                    });
+                }
+                // The peer's agents no longer match, or the peer is unreachable: try another.
+                Err(DialError::NoAgent(_) | DialError::Tunnel(_)) => continue,
+                Err(other) => return Err(other),
+            }
+        }
+    }
+    Err(DialError::NoAgent(target.to_string()))
+}
+
+/// Dials `target` through this replica's own agents only, trying `chain` in order.
+pub async fn dial_local(tenant: &Tenant, target: &DialTarget, chain: &[RoutingStrategy]) -> Result<Dialed, DialError> {
     let config = tenant.config();
     let limits = &config.limits;
     let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(limits.max_streams))?;
@@ -134,8 +216,7 @@ async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, Dial
     // A session that broke since it was picked is skipped once in favour of another agent.
     let mut last_error = None;
     for _attempt in 0..2 {
-        let agent =
-            tenant.registry.pick_for(target, &config.routing).ok_or_else(|| DialError::NoAgent(target.to_string()))?;
+        let agent = tenant.registry.pick_for(target, chain).ok_or_else(|| DialError::NoAgent(target.to_string()))?;
         let load = agent.stream_guard();
         let attempt = tokio::time::timeout(timeout + ANSWER_MARGIN, open_and_ask(&agent, &request)).await;
         match attempt {
@@ -143,9 +224,9 @@ async fn dial_inner(tenant: &Tenant, target: &DialTarget) -> Result<Dialed, Dial
             Ok(Ok(stream)) => {
                 tracing::debug!(tenant = %tenant.name, %target, request_id, agent = %agent.agent_id, "dial established");
                 return Ok(Dialed {
-                    stream,
-                    agent,
-                    _load: load,
+                    stream: DialedStream::Local(stream),
+                    carrier: agent.agent_id.clone(),
+                    _load: Some(load),
                     _permit: permit,
                     _open: OpenStreamGauge::new(&tenant.name),
                 });

@@ -17,6 +17,7 @@ pub mod forward;
 pub mod frontend;
 pub mod https_client;
 pub mod metrics;
+pub mod peers;
 pub mod proxy_protocol;
 pub mod registry;
 pub mod server;

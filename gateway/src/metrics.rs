@@ -25,6 +25,10 @@ pub const FORWARDS_OPEN: &str = "tether_gateway_forwards_open";
 pub const FORWARD_BYTES: &str = "tether_gateway_forward_bytes_total";
 /// Time to connect to a control-plane target, by tenant and target.
 pub const FORWARD_CONNECT_DURATION: &str = "tether_gateway_forward_connect_duration_seconds";
+/// Dials served for peer replicas, by tenant and result.
+pub const PEER_DIALS: &str = "tether_gateway_peer_dials_total";
+/// Replicas serving, this one included (from peer discovery).
+pub const REPLICAS: &str = "tether_gateway_replicas";
 /// Configuration reloads by result.
 pub const CONFIG_RELOADS: &str = "tether_gateway_config_reloads_total";
 /// 1 if the last configuration reload succeeded, 0 if it failed (the old one stays in force).
@@ -49,6 +53,8 @@ pub fn describe() {
     describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
     describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");
     describe_histogram!(FORWARD_CONNECT_DURATION, Unit::Seconds, "Time to connect to a control-plane target.");
+    describe_counter!(PEER_DIALS, "Dials served for peer replicas by result.");
+    describe_gauge!(REPLICAS, "Gateway replicas serving, this one included.");
     describe_counter!(CONFIG_RELOADS, "Configuration reloads by result.");
     describe_gauge!(CONFIG_LAST_RELOAD_OK, "1 if the last configuration reload succeeded.");
     describe_gauge!(DRAINING, "1 while the gateway is draining.");

@@ -269,6 +269,45 @@ impl AgentRegistry {
         self.inner.read().map(|i| i.all.items.clone()).unwrap_or_default()
     }
 
+    /// What this registry holds, for peers: counts and identifiers, at most `budget` identifier
+    /// entries (the budget is shared across tenants); the flag says whether some were left out.
+    pub fn summary(&self, budget: &mut usize) -> (crate::peers::TenantInventory, bool) {
+        let mut summary = crate::peers::TenantInventory::default();
+        let Ok(inner) = self.inner.read() else { return (summary, false) };
+        summary.agents = inner.all.items.iter().filter(|s| s.is_usable()).count();
+        summary.default_routes = inner.default_routes.items.iter().filter(|s| s.is_usable()).count();
+        let mut truncated = false;
+        let mut take = |budget: &mut usize| {
+            if *budget == 0 {
+                truncated = true;
+                false
+            } else {
+                *budget -= 1;
+                true
+            }
+        };
+        for (host, set) in &inner.by_host {
+            if set.items.iter().any(|s| s.is_usable()) && take(budget) {
+                summary.hosts.push(host.clone());
+            }
+        }
+        for (address, set) in &inner.by_address {
+            if set.items.iter().any(|s| s.is_usable()) && take(budget) {
+                summary.addresses.push(*address);
+            }
+        }
+        let mut cidrs = HashSet::new();
+        for session in inner.with_cidrs.items.iter().filter(|s| s.is_usable()) {
+            for net in session.identifiers().cidrs {
+                if !cidrs.contains(&net) && take(budget) {
+                    cidrs.insert(net);
+                }
+            }
+        }
+        summary.cidrs = cidrs.into_iter().collect();
+        (summary, truncated)
+    }
+
     /// The session a dial to `target` should use, trying the strategies in order.
     pub fn pick_for(&self, target: &DialTarget, chain: &[RoutingStrategy]) -> Option<Arc<AgentSession>> {
         let inner = self.inner.read().ok()?;

@@ -29,6 +29,7 @@ use crate::agent_endpoint::{self, ConnInfo};
 use crate::config::GatewayConfig;
 use crate::frontend::{self, FrontendListener};
 use crate::metrics::{CONFIG_RELOADS, DRAINING};
+use crate::peers::PeerSet;
 use crate::proxy_protocol;
 use crate::tenant::{Tenant, Tenants};
 
@@ -62,6 +63,8 @@ pub struct Shared {
     pub listeners_up: AtomicBool,
     /// Every certificate loaded from files, re-read on reload.
     pub certs: CertRegistry,
+    /// The other replicas, when `peers` is configured.
+    pub peers: Option<Arc<PeerSet>>,
     reload_lock: tokio::sync::Mutex<()>,
 }
 
@@ -96,6 +99,7 @@ pub struct Gateway {
     agent_tls: Option<TlsAcceptor>,
     frontends: Vec<(Arc<Tenant>, Vec<FrontendListener>)>,
     shared_frontend: Option<(TcpListener, TlsAcceptor)>,
+    peer_endpoint: Option<(TcpListener, TlsAcceptor)>,
     metrics: Option<PrometheusHandle>,
     stop: CancellationToken,
 }
@@ -196,12 +200,26 @@ impl Gateway {
             }
             None => None,
         };
+        let server_id = config.server_id();
+        let (peers, peer_endpoint) = match &config.peers {
+            Some(p) => {
+                let listener = bind_tcp(p.listen).await.context("peers.listen")?;
+                let cert = ReloadableCert::load(&p.tls.cert_file, &p.tls.key_file).context("peers.tls")?;
+                certs.register(&cert);
+                let server =
+                    tls::server_config(cert, Some(&p.tls.ca_file), &[ALPN_HTTP11]).context("peers.tls.ca_file")?;
+                let set = Arc::new(PeerSet::new(p.clone(), server_id.clone()).context("peers.tls")?);
+                (Some(set), Some((listener, TlsAcceptor::from(Arc::new(server)))))
+            }
+            None => (None, None),
+        };
         let keepalive = KeepaliveSettings {
             ping_interval: config.keepalive.ping_interval.0,
             ping_timeout: config.keepalive.ping_timeout.0,
         };
         let shared = Arc::new(Shared {
-            server_id: config.server_id(),
+            server_id,
+            peers,
             config_path,
             tenants: ArcSwap::from_pointee(tenants),
             drain_started: CancellationToken::new(),
@@ -228,6 +246,7 @@ impl Gateway {
             agent_tls,
             frontends,
             shared_frontend,
+            peer_endpoint,
             metrics,
             stop: CancellationToken::new(),
         })
@@ -252,6 +271,11 @@ impl Gateway {
             .find_map(FrontendListener::tcp_addr)
     }
 
+    /// The peer endpoint's address, if peers are configured.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.peer_endpoint.as_ref().and_then(|(l, _)| l.local_addr().ok())
+    }
+
     /// The shared mutual-TLS frontend's address, if configured.
     pub fn shared_frontend_addr(&self) -> Option<SocketAddr> {
         self.shared_frontend.as_ref().and_then(|(l, _)| l.local_addr().ok())
@@ -265,7 +289,7 @@ impl Gateway {
     /// Serves until `shutdown` resolves or the handle asks to stop, then drains: listeners
     /// close, agents get Drain, open connections get the grace period, then everything closes.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Self { shared, agents, admin, agent_tls, frontends, shared_frontend, metrics, stop } = self;
+        let Self { shared, agents, admin, agent_tls, frontends, shared_frontend, peer_endpoint, metrics, stop } = self;
         crate::metrics::describe();
         let mut listeners = vec![tokio::spawn(serve_agents(agents, agent_tls, shared.clone()))];
         for (tenant, bound) in frontends {
@@ -273,6 +297,21 @@ impl Gateway {
         }
         if let Some((listener, acceptor)) = shared_frontend {
             listeners.push(tokio::spawn(frontend::shared::serve(listener, acceptor, shared.clone())));
+        }
+        if let (Some((listener, acceptor)), Some(peers)) = (peer_endpoint, shared.peers.clone()) {
+            tokio::spawn(crate::peers::endpoint::serve(listener, acceptor, shared.clone()));
+            tokio::spawn(peers.clone().run(shared.hard_stop.clone()));
+            let mut count = peers.watch_count();
+            tokio::spawn(async move {
+                loop {
+                    metrics::gauge!(crate::metrics::REPLICAS).set(f64::from(*count.borrow_and_update()));
+                    if count.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        } else {
+            metrics::gauge!(crate::metrics::REPLICAS).set(1.0);
         }
         for tenant in shared.tenants.load().iter() {
             tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
@@ -332,6 +371,11 @@ async fn apply(shared: &Arc<Shared>, config: GatewayConfig) -> anyhow::Result<Re
         ("keepalive", json(&started.keepalive) == json(&config.keepalive)),
         ("limits", json(&started.limits) == json(&config.limits)),
         ("shared_frontend", json(&started.shared_frontend) == json(&config.shared_frontend)),
+        (
+            "peers.listen/peers.tls",
+            json(&started.peers.as_ref().map(|p| (&p.listen, &p.tls)))
+                == json(&config.peers.as_ref().map(|p| (&p.listen, &p.tls))),
+        ),
         ("server_id", started.server_id == config.server_id),
     ] {
         if !same {
@@ -379,6 +423,10 @@ async fn apply(shared: &Arc<Shared>, config: GatewayConfig) -> anyhow::Result<Re
         }
     }
     shared.tenants.store(Arc::new(Tenants::from_list(list)));
+    if let (Some(peers), Some(peer_config)) = (&shared.peers, &config.peers) {
+        peers.reconfigure(peer_config.clone());
+        peers.refresh().await;
+    }
     for error in shared.certs.reload_all() {
         tracing::error!(%error, "certificate reload failed; keeping the old certificate");
     }

@@ -27,9 +27,12 @@ pub fn router(agent: Arc<AgentState>, metrics: Option<PrometheusHandle>) -> Rout
 
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     let live = state.agent.live_sessions();
-    if live > 0 {
-        let servers = state.agent.server_ids().join(", ");
+    let servers = state.agent.server_ids().join(", ");
+    if state.agent.is_ready() {
         (StatusCode::OK, format!("ready: {live} session(s) to {servers}\n"))
+    } else if live > 0 {
+        let wanted = state.agent.server_count();
+        (StatusCode::SERVICE_UNAVAILABLE, format!("connected to {live} of {wanted} gateway replicas ({servers})\n"))
     } else {
         let reason = state.agent.last_error().unwrap_or_else(|| "connecting".into());
         (StatusCode::SERVICE_UNAVAILABLE, format!("not connected to the gateway: {reason}\n"))

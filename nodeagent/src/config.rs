@@ -86,6 +86,27 @@ pub struct GatewayConnection {
     /// A corporate HTTP proxy on the way to the gateway.
     #[serde(default)]
     pub proxy: ProxyConfig,
+    /// Sessions to the gateway replicas behind the load balancer.
+    #[serde(default)]
+    pub pool: PoolConfig,
+}
+
+/// How many gateway replicas the agent holds sessions to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// `all`: one session to every replica (the gateway reports how many); `one`: a single session.
+    #[serde(default)]
+    pub mode: crate::connection::PoolMode,
+    /// Longest pause before dialing again after landing on a replica already held.
+    #[serde(default = "defaults::duplicate_retry_max")]
+    pub duplicate_retry_max: HumanDuration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self { mode: Default::default(), duplicate_retry_max: defaults::duplicate_retry_max() }
+    }
 }
 
 /// The HTTP proxy between the agent and the gateway.
@@ -215,6 +236,9 @@ mod defaults {
     }
     pub fn token_check_interval() -> HumanDuration {
         Duration::from_secs(30).into()
+    }
+    pub fn duplicate_retry_max() -> HumanDuration {
+        Duration::from_secs(2).into()
     }
     pub fn yes() -> bool {
         true

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use std::sync::Mutex;
@@ -47,6 +47,10 @@ pub struct ConnectionContext {
     pub state: Arc<AgentState>,
     /// Streams being served (waited for at shutdown).
     pub tasks: TaskTracker,
+    /// One session per replica, or one in all.
+    pub pool: PoolMode,
+    /// Longest pause before dialing again after landing on a replica already held.
+    pub duplicate_retry_max: Duration,
 }
 
 /// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
@@ -56,6 +60,24 @@ pub struct AgentState {
     next_id: AtomicU64,
     last_error: Mutex<Option<String>>,
     session_added: Notify,
+    /// Woken when sessions come or go or the replica count changes.
+    changed: Notify,
+    /// The latest replica count the gateway reported (0: none yet).
+    server_count: AtomicU32,
+    /// Set when a session was lost, so the supervisor backs off before redialing.
+    lost: AtomicBool,
+    mode: PoolMode,
+}
+
+/// How many gateway replicas the agent keeps sessions to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolMode {
+    /// One session to every replica (dials to any replica find this agent locally).
+    #[default]
+    All,
+    /// A single session (replicas reach the agent through peer forwarding).
+    One,
 }
 
 struct LiveEntry {
@@ -65,6 +87,17 @@ struct LiveEntry {
 }
 
 impl AgentState {
+    /// State for an agent keeping sessions per `mode`.
+    pub fn new(mode: PoolMode) -> Self {
+        Self { mode, ..Self::default() }
+    }
+
+    /// Ready: a session to every known replica (pool mode `all`) or to one (mode `one`).
+    pub fn is_ready(&self) -> bool {
+        let live = self.server_ids().len();
+        live > 0 && live >= self.wanted_sessions(self.mode)
+    }
+
     /// Sessions that are up and not draining.
     pub fn live_sessions(&self) -> usize {
         self.live.lock().map(|l| l.len()).unwrap_or_default()
@@ -79,6 +112,29 @@ impl AgentState {
         if let Ok(mut last) = self.last_error.lock() {
             *last = error;
         }
+    }
+
+    /// Sessions the agent wants: the reported replica count (at least one), or one.
+    pub fn wanted_sessions(&self, mode: PoolMode) -> usize {
+        match mode {
+            PoolMode::One => 1,
+            PoolMode::All => (self.server_count.load(Ordering::Relaxed) as usize).max(1),
+        }
+    }
+
+    /// The latest replica count reported by any gateway.
+    pub fn server_count(&self) -> u32 {
+        self.server_count.load(Ordering::Relaxed)
+    }
+
+    fn note_server_count(&self, count: u32) {
+        if self.server_count.swap(count, Ordering::Relaxed) != count {
+            self.changed.notify_waiters();
+        }
+    }
+
+    fn take_lost(&self) -> bool {
+        self.lost.swap(false, Ordering::Relaxed)
     }
 
     /// Gateway replicas with a live session.
@@ -163,28 +219,61 @@ enum SessionEnd {
     Stopped,
 }
 
-/// Keeps a session to the gateway until `stop` is cancelled.
+/// Keeps sessions to the gateway until `stop` is cancelled: one to every replica the gateway
+/// reports (`server_count`), or just one. Dialing goes through the load balancer, so the replica a
+/// new connection lands on is chance: a second session to a replica already held is closed and the
+/// agent dials again after a short jittered pause, until it holds one session per replica.
 pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     let (initial, max) = ctx.reconnect;
     let mut backoff = Backoff::new(initial, max);
+    // Duplicates are expected behind a balancer; retry them quickly, but never in a tight loop.
+    let mut duplicates = Backoff::new(Duration::from_millis(50), ctx.duplicate_retry_max);
+    let tasks = TaskTracker::new();
     loop {
         if stop.is_cancelled() {
-            return;
+            break;
+        }
+        let changed = ctx.state.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let held = ctx.state.server_ids();
+        if held.len() >= ctx.state.wanted_sessions(ctx.pool) {
+            tokio::select! {
+                () = &mut changed => {}
+                () = tokio::time::sleep(Duration::from_secs(5)) => {}
+                () = stop.cancelled() => break,
+            }
+            continue;
         }
         let delay = match establish(&ctx).await {
+            Ok(established) if held.contains(&established.welcome.server_id) => {
+                metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
+                tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
+                established.session.close();
+                duplicates.next_delay()
+            }
             Ok(established) => {
                 backoff.reset();
+                duplicates.reset();
                 ctx.state.set_last_error(None);
-                match run_session(&ctx, established, &stop).await {
-                    SessionEnd::Stopped => return,
-                    // The old session finishes in the background; a replacement is wanted now.
-                    SessionEnd::Drained => Duration::from_millis(fastrand::u64(0..500)),
-                    SessionEnd::Lost(reason) => {
-                        tracing::warn!(%reason, "session to the gateway lost; reconnecting");
-                        ctx.state.set_last_error(Some(reason));
-                        backoff.next_delay()
+                ctx.state.note_server_count(established.welcome.server_count);
+                let live = LiveSession::new(
+                    ctx.state.clone(),
+                    established.welcome.server_id.clone(),
+                    established.session.clone(),
+                );
+                let (ctx, stop) = (ctx.clone(), stop.clone());
+                tasks.spawn(async move {
+                    match run_session(&ctx, established, &stop).await {
+                        SessionEnd::Stopped | SessionEnd::Drained => {}
+                        SessionEnd::Lost(reason) => {
+                            tracing::warn!(%reason, "session to the gateway lost; reconnecting");
+                            ctx.state.set_last_error(Some(reason));
+                        }
                     }
-                }
+                    drop(live);
+                });
+                Duration::ZERO
             }
             Err(e) => {
                 metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
@@ -205,11 +294,21 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                 delay
             }
         };
+        // A session that just ended (lost) waits out the backoff before the next dial.
+        if ctx.state.take_lost() {
+            let lost_delay = backoff.next_delay();
+            tokio::select! {
+                () = tokio::time::sleep(lost_delay) => {}
+                () = stop.cancelled() => break,
+            }
+        }
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = stop.cancelled() => return,
+            () = stop.cancelled() => break,
         }
     }
+    tasks.close();
+    tasks.wait().await;
 }
 
 async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishError> {
@@ -258,8 +357,7 @@ async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishErro
 async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, stop: &CancellationToken) -> SessionEnd {
     let Established { session, mut incoming, control, welcome, mut token } = established;
     metrics::counter!(CONNECTS, "result" => "ok").increment(1);
-    let _live = LiveSession::new(ctx.state.clone(), welcome.server_id.clone(), session.clone());
-    tracing::info!(server = %welcome.server_id, agent_id = %welcome.agent_id, "connected to the gateway");
+    tracing::info!(server = %welcome.server_id, agent_id = %welcome.agent_id, servers = welcome.server_count, "connected to the gateway");
 
     let (control_read, mut control_write) = tokio::io::split(control);
     let (message_tx, mut messages) = mpsc::channel(16);
@@ -285,6 +383,10 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                     let control = (control_write, reader, messages);
                     tokio::spawn(finish_draining(session.clone(), incoming, control, ctx.clone(), deadline));
                     return SessionEnd::Drained;
+                }
+                Some(Ok(ControlMessage::ServerCount(count))) => {
+                    tracing::info!(servers = count.server_count, "the gateway's replica count changed");
+                    ctx.state.note_server_count(count.server_count);
                 }
                 Some(Ok(ControlMessage::TokenRefreshResult(result))) => {
                     let label = if result.ok { "ok" } else { "refused" };
@@ -321,6 +423,9 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
     };
     reader.abort();
     session.close();
+    if matches!(end, SessionEnd::Lost(_)) {
+        ctx.state.lost.store(true, Ordering::Relaxed);
+    }
     end
 }
 
@@ -403,6 +508,7 @@ impl LiveSession {
             live.push(LiveEntry { id, server_id, session });
         }
         state.session_added.notify_waiters();
+        state.changed.notify_waiters();
         metrics::gauge!(SESSIONS).increment(1.0);
         Self { state, id }
     }
@@ -413,6 +519,7 @@ impl Drop for LiveSession {
         if let Ok(mut live) = self.state.live.lock() {
             live.retain(|e| e.id != self.id);
         }
+        self.state.changed.notify_waiters();
         metrics::gauge!(SESSIONS).decrement(1.0);
     }
 }

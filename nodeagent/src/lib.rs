@@ -107,8 +107,10 @@ impl Agent {
             reconnect: (gw.reconnect_initial.0, gw.reconnect_max.0),
             mux: MuxSettings::default(),
             policy: Arc::new(DialPolicy { allow, max_timeout: config.dial_timeout.0 }),
-            state: Arc::new(AgentState::default()),
+            state: Arc::new(AgentState::new(gw.pool.mode)),
             tasks: TaskTracker::new(),
+            pool: gw.pool.mode,
+            duplicate_retry_max: gw.pool.duplicate_retry_max.0,
         });
         let admin = TcpListener::bind(config.admin_listen)
             .await

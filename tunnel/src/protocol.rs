@@ -235,6 +235,8 @@ pub enum ControlMessage {
     TokenRefreshResult(TokenRefreshResult),
     /// Agent -> gateway: the agent's identifiers changed.
     IdentifiersUpdate(Identifiers),
+    /// Gateway -> agent: the number of gateway replicas changed (scale-out or scale-in).
+    ServerCount(ServerCount),
     /// A message this peer does not know; ignored.
     #[serde(other)]
     Unknown,
@@ -307,6 +309,13 @@ pub struct Drain {
     /// Why, for logs.
     #[serde(default)]
     pub reason: String,
+}
+
+/// How many gateway replicas serve the tenant now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerCount {
+    /// Replicas; agents keep one session to each.
+    pub server_count: u32,
 }
 
 /// A fresh token for a live session.
@@ -410,6 +419,7 @@ mod tests {
             MAX_CONTROL_FRAME,
         );
         round_trip(&ControlMessage::IdentifiersUpdate(Identifiers::default()), MAX_CONTROL_FRAME);
+        round_trip(&ControlMessage::ServerCount(ServerCount { server_count: 4 }), MAX_CONTROL_FRAME);
     }
 
     #[test]

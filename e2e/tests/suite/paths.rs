@@ -505,3 +505,154 @@ async fn a_blackholed_path_is_detected_and_the_agent_returns_when_it_heals() {
     assert!(eventually(Duration::from_secs(20), async || sessions().await == 1.0).await, "{}", agent.log_text());
     bulk_both_ways(frontends[0], target).await.unwrap();
 }
+
+/// Benchmark, not a test: throughput and CONNECT latency through each load-balancer path,
+/// relative to the direct path and to plain loopback TCP, in one run. Run with
+/// `cargo test --release -p tether-e2e --test suite bench_lb_paths -- --ignored --nocapture`;
+/// figures go to stdout and `target/bench-lb-paths.json` (see docs/benchmarks.md).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark; run explicitly"]
+async fn bench_lb_paths() {
+    let world = World::new().await;
+    let mut rows: Vec<(String, f64, f64, f64, f64)> = Vec::new();
+    let bytes: u64 = 256 << 20;
+    // Baseline: the node-side server directly over loopback TCP.
+    let (down, up) = bulk_rates(None, world.bulk, bytes).await;
+    let (p50, p99) = dial_latencies(None, world.bulk, 300).await;
+    rows.push(("loopback TCP (no tunnel)".into(), down, up, p50, p99));
+
+    let (agents, admin) = (loopback(), loopback());
+    let (config, frontends) = world.gateway_config(agents, admin, &[0], false);
+    let _gw = start_gateway(world.path(), "gw-direct", &config, admin).await;
+    let (plain_agents, plain_admin) = (loopback(), loopback());
+    let (mut plain, plain_frontends) = world.gateway_config(plain_agents, plain_admin, &[0], true);
+    plain["listen"]["trusted_proxies"] = serde_json::json!(["127.0.0.1/32"]);
+    let _gw_plain = start_gateway(world.path(), "gw-plain", &plain, plain_admin).await;
+    let (pp_agents, pp_admin) = (loopback(), loopback());
+    let (mut pp, pp_frontends) = world.gateway_config(pp_agents, pp_admin, &[0], false);
+    pp["listen"]["proxy_protocol"] = serde_json::json!(true);
+    let _gw_pp = start_gateway(world.path(), "gw-pp", &pp, pp_admin).await;
+
+    let ingress = loopback();
+    let _ingress = Nginx::start(
+        &world.path().join("nginx-ingress"),
+        &ingress_config(&world, ingress, plain_agents, "3600s"),
+        None,
+    );
+    let sni = loopback();
+    let _sni = Nginx::start(
+        &world.path().join("nginx-sni"),
+        &format!(
+            "stream {{\n  map $ssl_preread_server_name $gw {{ t1.tether.local {agents}; }}\n  server {{ listen {sni}; ssl_preread on; proxy_pass $gw; }}\n}}"
+        ),
+        None,
+    );
+    let hap = loopback();
+    let _haproxy = daemons::haproxy(
+        &world.path().join("haproxy"),
+        &format!(
+            "frontend f\n  bind {hap}\n  tcp-request inspect-delay 5s\n  tcp-request content accept if {{ req_ssl_hello_type 1 }}\n  default_backend b\nbackend b\n  server g {pp_agents} send-proxy-v2\n"
+        ),
+    );
+    let (_squid, good, _) = squid(&world, loopback()).await;
+    for addr in [ingress, sni, hap] {
+        assert!(wait_listening(addr, Duration::from_secs(10)).await);
+    }
+    let paths: Vec<(&str, String, SocketAddr, Option<String>)> = vec![
+        ("direct TLS to the gateway", format!("wss://{agents}/v1/tunnel"), frontends[0], None),
+        ("direct TLS, agent behind squid", format!("wss://{agents}/v1/tunnel"), frontends[0], Some(good.clone())),
+        ("nginx ingress (TLS terminated)", format!("wss://{ingress}/v1/tunnel"), plain_frontends[0], None),
+        ("nginx stream SNI passthrough", format!("wss://{sni}/v1/tunnel"), frontends[0], None),
+        ("haproxy SNI passthrough + PROXY v2", format!("wss://{hap}/v1/tunnel"), pp_frontends[0], None),
+    ];
+    for (name, url, frontend, proxy) in paths {
+        let (config, agent_admin) = world.agent_config(0, &url, "20s");
+        let env: Vec<(&str, &str)> = proxy.as_deref().map(|p| vec![("HTTPS_PROXY", p)]).unwrap_or_default();
+        let agent = start_agent(world.path(), &format!("bench-{}", name.len()), &config, &env);
+        assert!(
+            eventually(Duration::from_secs(20), async || matches!(
+                http_get(agent_admin, "/readyz").await,
+                Ok((200, _))
+            ))
+            .await,
+            "{name}"
+        );
+        let (down, up) = bulk_rates(Some(frontend), world.bulk, bytes).await;
+        let (p50, p99) = dial_latencies(Some(frontend), world.bulk, 300).await;
+        rows.push((name.to_owned(), down, up, p50, p99));
+        drop(agent);
+    }
+    let direct = rows[1].clone();
+    println!(
+        "\n{:<38} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "path", "down MiB/s", "up MiB/s", "vs direct", "p50 us", "p99 us", "p50 +us"
+    );
+    let mut json = Vec::new();
+    for (name, down, up, p50, p99) in &rows {
+        let ratio = (down + up) / (direct.1 + direct.2);
+        println!(
+            "{name:<38} {down:>10.0} {up:>10.0} {ratio:>8.0}% {p50:>9.0} {p99:>9.0} {:>9.0}",
+            p50 - direct.3,
+            ratio = ratio * 100.0
+        );
+        json.push(serde_json::json!({ "path": name, "download_mib_s": down, "upload_mib_s": up, "vs_direct_tls": ratio, "connect_p50_us": p50, "connect_p99_us": p99 }));
+    }
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-lb-paths.json");
+    std::fs::write(out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}
+
+/// MiB/s downloading and uploading `bytes`, through a CONNECT `frontend` or directly.
+async fn bulk_rates(frontend: Option<SocketAddr>, bulk: SocketAddr, bytes: u64) -> (f64, f64) {
+    let open = async || -> tokio::net::TcpStream {
+        match frontend {
+            Some(f) => connect_tcp(f, &bulk.to_string()).await.unwrap().unwrap(),
+            None => tokio::net::TcpStream::connect(bulk).await.unwrap(),
+        }
+    };
+    let mut down = open().await;
+    let started = std::time::Instant::now();
+    down.write_all(b"D").await.unwrap();
+    down.write_all(&bytes.to_be_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut got = 0u64;
+    loop {
+        let n = down.read(&mut buf).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        got += n as u64;
+    }
+    assert_eq!(got, bytes);
+    let down_rate = bytes as f64 / 1048576.0 / started.elapsed().as_secs_f64();
+    let chunk = backends::pattern(256 * 1024);
+    let mut up = open().await;
+    let started = std::time::Instant::now();
+    up.write_all(b"U").await.unwrap();
+    for _ in 0..bytes / chunk.len() as u64 {
+        up.write_all(&chunk).await.unwrap();
+    }
+    up.shutdown().await.unwrap();
+    let mut count = [0u8; 8];
+    up.read_exact(&mut count).await.unwrap();
+    assert_eq!(u64::from_be_bytes(count), bytes);
+    (down_rate, bytes as f64 / 1048576.0 / started.elapsed().as_secs_f64())
+}
+
+/// p50 and p99 microseconds from connecting (CONNECT included) to the first byte of an answer.
+async fn dial_latencies(frontend: Option<SocketAddr>, bulk: SocketAddr, dials: usize) -> (f64, f64) {
+    let mut samples = Vec::with_capacity(dials);
+    for _ in 0..dials {
+        let started = std::time::Instant::now();
+        let mut stream = match frontend {
+            Some(f) => connect_tcp(f, &bulk.to_string()).await.unwrap().unwrap(),
+            None => tokio::net::TcpStream::connect(bulk).await.unwrap(),
+        };
+        stream.write_all(b"D").await.unwrap();
+        stream.write_all(&1u64.to_be_bytes()).await.unwrap();
+        let mut one = [0u8; 1];
+        stream.read_exact(&mut one).await.unwrap();
+        samples.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    samples.sort_by(f64::total_cmp);
+    (samples[samples.len() / 2], samples[samples.len() * 99 / 100])
+}

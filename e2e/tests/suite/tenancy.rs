@@ -35,7 +35,7 @@ pub fn tenant_json(
     name: &str,
     issuer: &DevIssuer,
     frontend: SocketAddr,
-    limits: serde_json::Value,
+    limits: &serde_json::Value,
 ) -> serde_json::Value {
     serde_json::json!({
         "name": name,
@@ -69,7 +69,7 @@ impl Fleet {
             .iter()
             .zip(&issuers)
             .zip(limits.iter().chain(std::iter::repeat(&serde_json::json!({}))))
-            .map(|((n, issuer), l)| tenant_json(n, issuer, loopback(0), l.clone()))
+            .map(|((n, issuer), l)| tenant_json(n, issuer, loopback(0), l))
             .collect();
         let mut config = serde_json::json!({
             "server_id": "fleet-0",
@@ -347,7 +347,7 @@ async fn hot_reload_adds_and_removes_tenants_and_ignores_a_broken_config() {
     let mut config = fleet.config.clone();
     config.tenants.remove(1);
     let late: tether_gateway::config::TenantConfig =
-        serde_json::from_value(tenant_json("late", &late_issuer, late_frontend, serde_json::json!({}))).unwrap();
+        serde_json::from_value(tenant_json("late", &late_issuer, late_frontend, &serde_json::json!({}))).unwrap();
     config.tenants.push(late);
     // The gateway's certificate must cover the new host name: rotate it on the same files.
     let rotated = fleet.ca.server("gateway", &["keep.tether.local", "drop.tether.local", "late.tether.local"]).unwrap();

@@ -194,7 +194,7 @@ where
             return;
         }
     };
-    let mut dialed = match dial(&tenant, &target).await {
+    let mut dialed = match dial(&shared, &tenant, &target).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
@@ -218,7 +218,7 @@ where
     tokio::select! {
         result = copy => {
             if let Err(e) = result {
-                tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.agent.agent_id, error = %e, "tunnelled connection ended with an error");
+                tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.carrier, error = %e, "tunnelled connection ended with an error");
             }
         }
         () = shared.hard_stop.cancelled() => {
