@@ -25,3 +25,23 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo_cmd apt-get update -qq
   $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+
+# Chart tests (e2e/tests/suite/charts.rs): helm, and kubernetes-validate for offline schema checks,
+# both in Tether's tools directory (the tests look there first, then in PATH).
+tools="${TETHER_TOOLS_DIR:-$HOME/.cache/tether-tools}"
+"$(dirname "$0")/install-helm.sh" >/dev/null
+if [ ! -x "$tools/bin/kubernetes-validate" ]; then
+  echo "installing kubernetes-validate into $tools/venv"
+  if ! python3 -m venv "$tools/venv" >/dev/null 2>&1; then
+    rm -rf "$tools/venv"
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo_cmd apt-get update -qq
+    $sudo_cmd apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+    python3 -m venv "$tools/venv"
+  fi
+  "$tools/venv/bin/python" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==1.37.0"
+  mkdir -p "$tools/bin"
+  ln -sf "$tools/venv/bin/kubernetes-validate" "$tools/bin/kubernetes-validate"
+fi
