@@ -89,17 +89,23 @@ impl Tools {
         if let Some(values) = values {
             command.arg("--values").arg(values);
         }
-        outcome(run(&mut command))
+        outcome(&run(&mut command))
     }
 
     /// `helm template` as release `release` in `namespace`; `Err` carries helm's error output.
-    pub fn template(&self, chart: &Path, release: &str, namespace: &str, values: Option<&Path>) -> Result<String, String> {
+    pub fn template(
+        &self,
+        chart: &Path,
+        release: &str,
+        namespace: &str,
+        values: Option<&Path>,
+    ) -> Result<String, String> {
         let mut command = Command::new(&self.helm);
         command.args(["template", release]).arg(chart).args(["--namespace", namespace]);
         if let Some(values) = values {
             command.arg("--values").arg(values);
         }
-        outcome(run(&mut command))
+        outcome(&run(&mut command))
     }
 
     /// The documents of a YAML stream as JSON values (empty documents dropped), read with PyYAML,
@@ -132,7 +138,12 @@ impl Tools {
     /// Runs `kubernetes-validate --strict` on `files` for every version. `Ok` carries the output;
     /// `Err` carries it when a manifest did not validate, or when a kind has no schema other than
     /// those in `unknown_kinds_allowed` (custom resources such as a ServiceMonitor).
-    pub fn validate(&self, files: &[PathBuf], versions: &[&str], unknown_kinds_allowed: &[&str]) -> Result<String, String> {
+    pub fn validate(
+        &self,
+        files: &[PathBuf],
+        versions: &[&str],
+        unknown_kinds_allowed: &[&str],
+    ) -> Result<String, String> {
         let mut command = Command::new(&self.kubernetes_validate);
         command.arg("--strict").arg("--quiet");
         for version in versions {
@@ -155,9 +166,8 @@ impl Tools {
 
 /// The rendered object of `kind` whose name ends with `name_suffix`.
 pub fn find<'a>(docs: &'a [Value], kind: &str, name_suffix: &str) -> Option<&'a Value> {
-    docs.iter().find(|d| {
-        d["kind"] == kind && d["metadata"]["name"].as_str().is_some_and(|name| name.ends_with(name_suffix))
-    })
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"].as_str().is_some_and(|name| name.ends_with(name_suffix)))
 }
 
 /// Every rendered object of `kind`.
@@ -184,20 +194,28 @@ fn is_executable(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// The interpreter in a console script's `#!` line (pip writes the one that has its packages).
+/// The Python a console script runs on: the interpreter in its `#!` line (pip writes the one
+/// that has its packages), else the `python3` beside it (a virtualenv's bin directory).
 fn python_of(script: &Path) -> Option<PathBuf> {
     let text = std::fs::read(script).ok()?;
     let first = text.split(|b| *b == b'\n').next()?;
-    let line = std::str::from_utf8(first).ok()?.strip_prefix("#!")?.trim();
-    let interpreter = PathBuf::from(line.split_whitespace().next()?);
-    is_executable(&interpreter).then_some(interpreter)
+    let shebang = std::str::from_utf8(first)
+        .ok()
+        .and_then(|line| line.strip_prefix("#!"))
+        .and_then(|line| line.split_whitespace().next())
+        .map(PathBuf::from)
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python")) && is_executable(p));
+    shebang.or_else(|| {
+        let dir = std::fs::canonicalize(script).ok()?.parent()?.to_path_buf();
+        ["python3", "python"].iter().map(|n| dir.join(n)).find(|p| is_executable(p))
+    })
 }
 
 fn run(command: &mut Command) -> Output {
     command.output().unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"))
 }
 
-fn outcome(output: Output) -> Result<String, String> {
+fn outcome(output: &Output) -> Result<String, String> {
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     if output.status.success() {
         Ok(stdout)

@@ -7,6 +7,7 @@
 pub mod bins;
 pub mod checksum;
 pub mod daemons;
+pub mod helm;
 pub mod netns;
 pub mod nginx;
 pub mod proc;
