@@ -117,7 +117,7 @@ pub fn tinyproxy(dir: &Path, listen: std::net::SocketAddr, user: &str, password:
 pub fn haproxy(dir: &Path, body: &str) -> Daemon {
     let dir = shared_dir(dir);
     let conf = format!(
-        "global\n  maxconn 2000\n\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n\n{body}\n"
+        "global\n  maxconn 2000\n\ndefaults\n  mode tcp\n  timeout connect 5s\n  timeout client 1h\n  timeout server 1h\n  timeout check 2s\n\n{body}\n"
     );
     let file = dir.join("haproxy.cfg");
     std::fs::write(&file, conf).expect("haproxy.cfg");

@@ -172,6 +172,23 @@ async fn dial_routed(shared: &Shared, tenant: &Tenant, target: &DialTarget) -> R
     let Some(peers) = shared.peers.as_ref() else {
         return dial_local(tenant, target, &config.routing).await;
     };
+    match dial_through_replicas(tenant, target, peers, &config).await {
+        Err(DialError::NoAgent(_)) => {
+            // Inventories may be stale (this replica just started, or agents just moved): look
+            // again once before giving up. A dial fails only if no replica holds a suitable agent.
+            peers.refresh_if_older_than(Duration::from_millis(100)).await;
+            dial_through_replicas(tenant, target, peers, &config).await
+        }
+        other => other,
+    }
+}
+
+async fn dial_through_replicas(
+    tenant: &Tenant,
+    target: &DialTarget,
+    peers: &crate::peers::PeerSet,
+    config: &crate::config::TenantConfig,
+) -> Result<Dialed, DialError> {
     let timeout = config.limits.dial_timeout.0;
     for strategy in &config.routing {
         if tenant.registry.pick_for(target, std::slice::from_ref(strategy)).is_some() {

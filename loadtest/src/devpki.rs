@@ -55,10 +55,24 @@ impl DevCa {
         self.issue(file_stem, &[common_name], ExtendedKeyUsagePurpose::ClientAuth)
     }
 
+    /// Issues a certificate usable as server and as client (gateway replicas talking to peers).
+    pub fn peer(&self, file_stem: &str, names: &[&str]) -> anyhow::Result<PemPair> {
+        self.issue_for(file_stem, names, vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth])
+    }
+
     fn issue(&self, file_stem: &str, names: &[&str], usage: ExtendedKeyUsagePurpose) -> anyhow::Result<PemPair> {
+        self.issue_for(file_stem, names, vec![usage])
+    }
+
+    fn issue_for(
+        &self,
+        file_stem: &str,
+        names: &[&str],
+        usages: Vec<ExtendedKeyUsagePurpose>,
+    ) -> anyhow::Result<PemPair> {
         let mut params = CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>())?;
         params.distinguished_name.push(DnType::CommonName, names.first().copied().unwrap_or(file_stem));
-        params.extended_key_usages = vec![usage];
+        params.extended_key_usages = usages;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;

@@ -281,12 +281,22 @@ async fn bad_configuration_is_reported_with_the_key_and_the_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_quick_start_demo_runs_and_passes_its_checks() {
-    let base = 20_000 + fastrand::u16(0..20_000);
-    let output = tokio::process::Command::new(tether_e2e::bins::bin_path("tether-demo"))
-        .args(["--once", "--dials", "20", "--bulk-mib", "4", "--base-port", &base.to_string()])
-        .output()
-        .await
-        .unwrap();
+    // The demo uses fixed ports from --base-port; pick a base below the ephemeral range and try
+    // another if something else holds one of them.
+    let mut attempt = 0;
+    let output = loop {
+        attempt += 1;
+        let base = 20_000 + fastrand::u16(0..12_000);
+        let output = tokio::process::Command::new(tether_e2e::bins::bin_path("tether-demo"))
+            .args(["--once", "--dials", "20", "--bulk-mib", "4", "--base-port", &base.to_string()])
+            .output()
+            .await
+            .unwrap();
+        if attempt < 5 && String::from_utf8_lossy(&output.stderr).contains("Address already in use") {
+            continue;
+        }
+        break output;
+    };
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains("All checks passed."), "{stdout}");

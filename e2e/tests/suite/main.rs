@@ -5,6 +5,7 @@
 mod auth;
 mod binaries;
 mod forward;
+mod ha;
 mod oidc;
 mod paths;
 mod resilience;

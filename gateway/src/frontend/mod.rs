@@ -183,10 +183,8 @@ where
         }
         Ok(Ok(request)) => request,
     };
-    if shared.drain_started.is_cancelled() {
-        let _ = client.write_all(&error_response(503, "gateway is shutting down; retry on another replica")).await;
-        return;
-    }
+    // A connection accepted before the drain began is still served (within the grace period):
+    // with peers, its dial goes to another replica's agents.
     let target = match DialTarget::parse(&request.target) {
         Ok(target) => target,
         Err(reason) => {

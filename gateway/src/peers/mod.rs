@@ -106,6 +106,7 @@ pub struct PeerSet {
     client: PeerClient,
     peers: RwLock<Vec<Arc<Peer>>>,
     count: watch::Sender<u32>,
+    refreshing: tokio::sync::Mutex<Option<Instant>>,
 }
 
 impl PeerSet {
@@ -113,7 +114,14 @@ impl PeerSet {
     pub fn new(config: PeersConfig, server_id: String) -> anyhow::Result<Self> {
         let client = PeerClient::new(&config.tls)?;
         let (count, _) = watch::channel(1);
-        Ok(Self { config: RwLock::new(config), server_id, client, peers: RwLock::new(Vec::new()), count })
+        Ok(Self {
+            config: RwLock::new(config),
+            server_id,
+            client,
+            peers: RwLock::new(Vec::new()),
+            count,
+            refreshing: tokio::sync::Mutex::new(None),
+        })
     }
 
     /// The TLS client replicas use to reach each other.
@@ -176,8 +184,26 @@ impl PeerSet {
         }
     }
 
+    /// Refreshes now unless a refresh finished within `min_age`; concurrent callers share one.
+    /// Used when a dial finds no agent anywhere: the inventories may just be stale (a replica
+    /// that has only just started, or agents that have only just moved).
+    pub async fn refresh_if_older_than(&self, min_age: Duration) {
+        let mut last = self.refreshing.lock().await;
+        if last.is_some_and(|at| at.elapsed() < min_age) {
+            return;
+        }
+        self.refresh_round().await;
+        *last = Some(Instant::now());
+    }
+
     /// One round: discover, fetch every inventory, update the count.
     pub async fn refresh(&self) {
+        let mut last = self.refreshing.lock().await;
+        self.refresh_round().await;
+        *last = Some(Instant::now());
+    }
+
+    async fn refresh_round(&self) {
         let (addresses, limit) = match self.config.read() {
             Ok(c) => (c.addresses.clone(), c.max_inventory_entries),
             Err(_) => return,

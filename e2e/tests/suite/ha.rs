@@ -1,0 +1,330 @@
+//! High availability: gateway replicas (the real binary) behind haproxy, agents keeping a session
+//! to every replica, peer forwarding, rolling restarts without failed dials, and scaling.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tether_e2e::bins::{Process, eventually, free_port, http_get, metric_sum, start_gateway};
+use tether_e2e::daemons::{self, Daemon};
+use tether_e2e::nginx::wait_listening;
+use tether_loadtest::connect_client::connect_tcp;
+use tether_loadtest::devpki::{DevCa, DevIssuer, IssuerKey, PemPair, write_private};
+use tether_loadtest::local::{AUDIENCE, ScratchDir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::echo_server;
+use crate::tenancy::RunningAgent;
+
+const PEER_NAME: &str = "tether-gateway-peer";
+
+/// One replica's addresses.
+#[derive(Clone, Copy)]
+struct Replica {
+    agents: SocketAddr,
+    admin: SocketAddr,
+    frontend: SocketAddr,
+    peer: SocketAddr,
+}
+
+/// Replicas (some maybe stopped), haproxy in front of them, credentials.
+struct Cluster {
+    dir: ScratchDir,
+    ca: DevCa,
+    cert: PemPair,
+    peer_cert: PemPair,
+    issuer: DevIssuer,
+    replicas: Vec<Replica>,
+    running: Vec<Option<Process>>,
+    /// Agents connect here (TLS passed through, round robin).
+    agent_lb: SocketAddr,
+    /// CONNECT dials go here (round robin, only to ready replicas).
+    connect_lb: SocketAddr,
+    _haproxy: Daemon,
+}
+
+impl Cluster {
+    /// Prepares `total` replicas, starts the first `running`, and haproxy in front of all.
+    async fn start(total: usize, running: usize) -> Self {
+        let dir = ScratchDir::new("tether-ha").unwrap();
+        let ca = DevCa::create(dir.path(), "ha").unwrap();
+        let cert = ca.server("gateway", &["ha.tether.local"]).unwrap();
+        let peer_cert = ca.peer("peer", &[PEER_NAME]).unwrap();
+        let issuer = DevIssuer::create(dir.path(), "ha", "https://ha.issuer", IssuerKey::Es256).unwrap();
+        let replicas: Vec<Replica> =
+            (0..total).map(|_| Replica { agents: lo(), admin: lo(), frontend: lo(), peer: lo() }).collect();
+        let (agent_lb, connect_lb) = (lo(), lo());
+        let mut config = format!(
+            "frontend agents\n  bind {agent_lb}\n  default_backend gateways\n\nbackend gateways\n  balance roundrobin\n"
+        );
+        for (i, r) in replicas.iter().enumerate() {
+            config.push_str(&format!(
+                "  server gw{i} {} check port {} inter 200ms fall 1 rise 1\n",
+                r.agents,
+                r.admin.port()
+            ));
+        }
+        config.push_str(&format!(
+            // Dials go only to replicas that can serve the tenant (locally or through a peer).
+            "  option httpchk GET /readyz\n\nfrontend dials\n  bind {connect_lb}\n  default_backend frontends\n\nbackend frontends\n  balance roundrobin\n  retries 3\n  option redispatch 1\n  option httpchk GET /readyz/tenant/ha\n"
+        ));
+        for (i, r) in replicas.iter().enumerate() {
+            config.push_str(&format!(
+                "  server fe{i} {} check port {} inter 200ms fall 1 rise 1\n",
+                r.frontend,
+                r.admin.port()
+            ));
+        }
+        let haproxy = daemons::haproxy(&dir.path().join("haproxy"), &config);
+        assert!(wait_listening(agent_lb, Duration::from_secs(10)).await, "haproxy did not start");
+        let mut cluster = Self {
+            dir,
+            ca,
+            cert,
+            peer_cert,
+            issuer,
+            replicas,
+            running: (0..total).map(|_| None).collect(),
+            agent_lb,
+            connect_lb,
+            _haproxy: haproxy,
+        };
+        for i in 0..running {
+            cluster.start_replica(i).await;
+        }
+        cluster
+    }
+
+    fn config(&self, i: usize) -> serde_json::Value {
+        let r = self.replicas[i];
+        serde_json::json!({
+            "server_id": format!("gw-{i}"),
+            "listen": { "agents": r.agents.to_string(), "admin": r.admin.to_string() },
+            "tls": { "cert_file": self.cert.cert, "key_file": self.cert.key },
+            "keepalive": { "ping_interval": "1s", "ping_timeout": "2s" },
+            "drain_grace_period": "3s",
+            "peers": {
+                "listen": r.peer.to_string(),
+                "tls": { "cert_file": self.peer_cert.cert, "key_file": self.peer_cert.key, "ca_file": self.ca.ca_cert, "server_name": PEER_NAME },
+                "addresses": self.replicas.iter().map(|r| r.peer.to_string()).collect::<Vec<_>>(),
+                "refresh_interval": "300ms",
+            },
+            "tenants": [{
+                "name": "ha",
+                "hosts": ["ha.tether.local"],
+                "auth": { "issuer": self.issuer.issuer, "audiences": [AUDIENCE], "jwks_file": self.issuer.jwks_file },
+                "frontend": { "tcp": { "listen": r.frontend.to_string() } },
+            }],
+        })
+    }
+
+    async fn start_replica(&mut self, i: usize) {
+        let process = start_gateway(self.dir.path(), &format!("gw-{i}"), &self.config(i), self.replicas[i].admin).await;
+        self.running[i] = Some(process);
+    }
+
+    /// SIGTERM, and wait for the drain to finish.
+    async fn stop_replica(&mut self, i: usize) {
+        if let Some(mut process) = self.running[i].take() {
+            process.terminate();
+            let status = process.wait(Duration::from_secs(20)).await;
+            assert!(
+                status.is_some_and(|s| s.success()),
+                "gw-{i} did not drain and exit cleanly:\n{}",
+                process.log_text()
+            );
+        }
+    }
+
+    /// An in-process agent for node `node` serving `target`, pooling per `mode`.
+    async fn agent(&self, node: &str, target: SocketAddr, mode: &str) -> RunningAgent {
+        let token = self
+            .issuer
+            .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some(node))
+            .unwrap();
+        let token_file = self.dir.path().join(format!("{node}.token"));
+        write_private(&token_file, token.as_bytes()).unwrap();
+        let config = serde_json::from_value(serde_json::json!({
+            "agent_id": node,
+            "gateway": {
+                "url": format!("wss://{}/v1/tunnel", self.agent_lb),
+                "server_name": "ha.tether.local",
+                "token_file": token_file,
+                "ca_file": self.ca.ca_cert,
+                "reconnect_initial": "100ms",
+                "reconnect_max": "1s",
+                "ping_interval": "1s",
+                "ping_timeout": "2s",
+                "pool": { "mode": mode, "duplicate_retry_max": "200ms" },
+            },
+            "admin_listen": "127.0.0.1:0",
+            "identifiers": { "addresses": [target.ip().to_string()] },
+            "allow": [{ "cidr": format!("{}/32", target.ip()), "ports": [target.port()] }],
+        }))
+        .unwrap();
+        RunningAgent::start(config).await
+    }
+
+    /// haproxy's and the replicas' logs, for failure messages.
+    fn diagnostics(&self) -> String {
+        let mut text = std::fs::read_to_string(self.dir.path().join("haproxy/haproxy.cfg")).unwrap_or_default();
+        text.push_str(&std::fs::read_to_string(self.dir.path().join("haproxy/haproxy.out")).unwrap_or_default());
+        for process in self.running.iter().flatten() {
+            text.push_str(&process.log_text());
+        }
+        text
+    }
+
+    fn running_replicas(&self) -> Vec<Replica> {
+        self.replicas.iter().zip(&self.running).filter(|(_, p)| p.is_some()).map(|(r, _)| *r).collect()
+    }
+}
+
+fn lo() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+async fn echo_via(frontend: SocketAddr, target: SocketAddr) -> Result<(), String> {
+    let mut tunnel = connect_tcp(frontend, &target.to_string())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {}", e.status, e.reason))?;
+    tunnel.write_all(b"ha!").await.map_err(|e| e.to_string())?;
+    let mut got = [0u8; 3];
+    tunnel.read_exact(&mut got).await.map_err(|e| e.to_string())?;
+    if &got == b"ha!" { Ok(()) } else { Err("wrong bytes".into()) }
+}
+
+/// Starts `count` agents, each in front of its own echo server.
+async fn fleet(cluster: &Cluster, count: usize, mode: &str) -> Vec<(RunningAgent, SocketAddr)> {
+    let mut agents = Vec::new();
+    for i in 0..count {
+        let target = echo_server().await;
+        agents.push((cluster.agent(&format!("node-{i}"), target, mode).await, target));
+    }
+    agents
+}
+
+async fn all_hold(agents: &[(RunningAgent, SocketAddr)], sessions: usize, timeout: Duration) -> bool {
+    let held = eventually(timeout, async || agents.iter().all(|(a, _)| a.state.server_ids().len() == sessions)).await;
+    if !held {
+        for (agent, _) in agents.iter().filter(|(a, _)| a.state.server_ids().len() != sessions).take(3) {
+            eprintln!(
+                "agent holds {:?} (count {}), last error {:?}",
+                agent.state.server_ids(),
+                agent.state.server_count(),
+                agent.state.last_error()
+            );
+        }
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_agent_reaches_every_replica_and_dials_via_any_replica_reach_any_node() {
+    let cluster = Cluster::start(3, 3).await;
+    let agents = fleet(&cluster, 50, "all").await;
+    assert!(
+        all_hold(&agents, 3, Duration::from_secs(60)).await,
+        "every agent must hold a session to all three replicas"
+    );
+    for (agent, _) in &agents {
+        assert!(agent.state.is_ready());
+    }
+    for replica in cluster.running_replicas() {
+        for (_, target) in &agents {
+            echo_via(replica.frontend, *target).await.unwrap();
+        }
+        let (_, body) = http_get(replica.admin, "/readyz/tenant/ha").await.unwrap();
+        assert!(body.contains("50 local agent sessions"), "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_one_session_per_agent_dials_succeed_through_peer_forwarding() {
+    let cluster = Cluster::start(3, 3).await;
+    let agents = fleet(&cluster, 12, "one").await;
+    assert!(all_hold(&agents, 1, Duration::from_secs(30)).await, "{}", cluster.diagnostics());
+    // Every replica holds only some agents, yet reaches all of them, through a peer if needed.
+    tokio::time::sleep(Duration::from_secs(1)).await; // peers refresh inventories every 300 ms
+    for replica in cluster.running_replicas() {
+        for (_, target) in &agents {
+            echo_via(replica.frontend, *target).await.unwrap_or_else(|e| panic!("via {}: {e}", replica.frontend));
+        }
+    }
+    let mut forwarded = 0.0;
+    for replica in cluster.running_replicas() {
+        let (_, metrics) = http_get(replica.admin, "/metrics").await.unwrap();
+        forwarded += metric_sum(&metrics, "tether_gateway_peer_dials_total", "result=\"ok\"");
+        // A replica without local agents is still ready for the tenant, through its peers.
+        let (status, _) = http_get(replica.admin, "/readyz/tenant/ha").await.unwrap();
+        assert_eq!(status, 200);
+    }
+    assert!(forwarded >= 12.0, "most dials were forwarded to the replica holding the agent ({forwarded})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_every_replica_fails_no_new_dial() {
+    let mut cluster = Cluster::start(3, 3).await;
+    let agents = fleet(&cluster, 10, "all").await;
+    assert!(all_hold(&agents, 3, Duration::from_secs(60)).await);
+    let targets: Vec<SocketAddr> = agents.iter().map(|(_, t)| *t).collect();
+    let (ok, failed, running) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(true)));
+    let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let (ok, failed, running, failures, targets, lb) =
+            (ok.clone(), failed.clone(), running.clone(), failures.clone(), targets.clone(), cluster.connect_lb);
+        load.push(tokio::spawn(async move {
+            let mut i = worker;
+            while running.load(Ordering::Relaxed) {
+                i += 1;
+                match echo_via(lb, targets[i % targets.len()]).await {
+                    Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        failures.lock().unwrap().push(e);
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        }));
+    }
+    for i in 0..3 {
+        cluster.stop_replica(i).await;
+        cluster.start_replica(i).await;
+        assert!(all_hold(&agents, 3, Duration::from_secs(60)).await, "agents must return to gw-{i}");
+    }
+    running.store(false, Ordering::Relaxed);
+    for worker in load {
+        worker.await.unwrap();
+    }
+    let done = ok.load(Ordering::Relaxed);
+    assert!(done > 100, "the load kept flowing ({done} dials)");
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "failed dials during the rolling restart: {:?}\n{}",
+        failures.lock().unwrap(),
+        cluster.diagnostics()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_follow_a_scale_out_and_a_scale_in() {
+    let mut cluster = Cluster::start(4, 2).await;
+    let agents = fleet(&cluster, 10, "all").await;
+    assert!(all_hold(&agents, 2, Duration::from_secs(30)).await);
+    cluster.start_replica(2).await;
+    cluster.start_replica(3).await;
+    assert!(all_hold(&agents, 4, Duration::from_secs(30)).await, "agents must cover the new replicas");
+    cluster.stop_replica(3).await;
+    cluster.stop_replica(2).await;
+    assert!(all_hold(&agents, 2, Duration::from_secs(30)).await, "agents must settle on the remaining replicas");
+    for replica in cluster.running_replicas() {
+        for (_, target) in &agents {
+            echo_via(replica.frontend, *target).await.unwrap();
+        }
+    }
+}
