@@ -124,7 +124,7 @@ The agent configuration file (YAML). Argument: (dict "root" $ "tokenFile" path "
 {{- $allow = append $allow (dict "own_addresses" true "ports" $v.allow.kubelet.ports) -}}
 {{- end -}}
 {{- range $v.allow.extra -}}{{- $allow = append $allow . -}}{{- end -}}
-{{- $config := dict "gateway" $gateway "identifiers" $identifiers "allow" $allow "admin_listen" (printf "%s:%d" $v.admin.address (int $v.admin.port)) -}}
+{{- $config := dict "gateway" $gateway "identifiers" $identifiers "allow" $allow "admin_listen" (printf (ternary "[%s]:%d" "%s:%d" (contains ":" $v.admin.address)) $v.admin.address (int $v.admin.port)) -}}
 {{- with $v.agentId -}}{{- $_ := set $config "agent_id" . -}}{{- end -}}
 {{- if $v.nodeToControlPlane.enabled -}}
 {{- $_ := set $config "listeners" $v.nodeToControlPlane.listeners -}}
