@@ -106,7 +106,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Scenario::Compare { .. } => "compare",
     };
     let progress = Progress::new(name, cli.quiet);
-    let outcome: Outcome = match &cli.scenario {
+    let load_at_start = tether_loadtest::report::load_average();
+    let mut outcome: Outcome = match &cli.scenario {
         Scenario::Throughput(args) => scenarios::throughput::run(args, &progress).await?,
         Scenario::Rps(args) => scenarios::rps::run(args, &progress).await?,
         Scenario::Latency(args) => scenarios::latency::run(args, &progress).await?,
@@ -121,6 +122,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             return Ok(());
         }
     };
+    // Scenarios build their report after measuring; the load figures span the whole run.
+    outcome.report.machine.load_average_start = load_at_start;
+    outcome.report.machine.load_average_end = tether_loadtest::report::load_average();
     let machine = &outcome.report.machine;
     println!(
         "\n{} ({}; {} CPUs, {}; load {:.2} -> {:.2})\n",

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 const WIDTH: f64 = 860.0;
 const HEIGHT: f64 = 480.0;
 const LEFT: f64 = 86.0;
-const RIGHT: f64 = 24.0;
+const RIGHT: f64 = 40.0;
 const TOP: f64 = 56.0;
 const BOTTOM: f64 = 64.0;
 const COLORS: [&str; 8] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
