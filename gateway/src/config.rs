@@ -365,6 +365,10 @@ pub struct FrontendConfig {
     /// Unix socket path (KAS `transport.uds.udsName`).
     #[serde(default)]
     pub uds: Option<PathBuf>,
+    /// Permissions of the socket file, in octal (e.g. `"0660"` for a kube-apiserver running
+    /// under another user in the same group); default: the process umask decides.
+    #[serde(default)]
+    pub uds_mode: Option<String>,
     /// TCP listener (KAS `transport.tcp.url`), optionally with TLS and client certificates.
     #[serde(default)]
     pub tcp: Option<TcpFrontendConfig>,
@@ -561,12 +565,6 @@ impl GatewayConfig {
                 check_file(problems, key, path);
             }
         };
-        if self.tenants.is_empty() {
-            problems.push(problem(
-                "tenants",
-                "no tenants configured; add at least one with name, hosts and auth (see README, Configuration)",
-            ));
-        }
         if self.keepalive.ping_interval.0 < Duration::from_secs(1) {
             problems.push(problem("keepalive.ping_interval", "must be at least 1s (default 20s)"));
         }
@@ -746,6 +744,12 @@ impl GatewayConfig {
                         format!("{name:?} is already mapped to another tenant"),
                     ));
                 }
+            }
+            if let Some(mode) = &frontend.uds_mode
+                && u32::from_str_radix(mode.trim_start_matches("0o"), 8).map_or(true, |m| m > 0o777)
+            {
+                problems
+                    .push(problem(key("frontend.uds_mode"), format!("{mode:?} is not an octal mode such as \"0660\"")));
             }
             if let Some(path) = &frontend.uds {
                 if !sockets.insert(path.clone()) {

@@ -53,16 +53,13 @@ pub enum DialError {
     /// The tunnel to the agent broke during the dial.
     #[error("tunnel to agent failed: {0}")]
     Tunnel(String),
-    /// The gateway is shutting down.
-    #[error("gateway is shutting down")]
-    Draining,
 }
 
 impl DialError {
     /// HTTP status for a CONNECT client, following Konnectivity's mapping.
     pub fn status(&self) -> u16 {
         match self {
-            Self::NoAgent(_) | Self::Draining | Self::TooManyStreams(_) => 503,
+            Self::NoAgent(_) | Self::TooManyStreams(_) => 503,
             Self::TooManyPending(_) => 429,
             Self::Refused { code: ErrorCode::NotAllowed, .. } => 403,
             Self::Refused { code: ErrorCode::Timeout, .. } | Self::Timeout(_) => 504,
@@ -80,7 +77,6 @@ impl DialError {
             Self::Refused { code, .. } => code.as_str(),
             Self::Timeout(_) => "timeout",
             Self::Tunnel(_) => "tunnel_error",
-            Self::Draining => "draining",
         }
     }
 }

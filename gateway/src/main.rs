@@ -69,6 +69,9 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
     telemetry::init_logging(format, &level).map_err(anyhow::Error::msg)?;
     tether_tunnel::tls::install_default_provider();
     let metrics = telemetry::install_metrics().map_err(anyhow::Error::msg)?;
+    if config.tenants.is_empty() {
+        tracing::warn!("no tenants configured yet; agents are refused until a reload adds one");
+    }
     let gateway = Gateway::bind_with_path(config, cli.config.clone(), Some(metrics)).await?;
     tracing::info!(agents = %gateway.agent_addr(), admin = %gateway.admin_addr(), "listeners bound");
     let handle = gateway.handle();

@@ -83,6 +83,13 @@ impl CertRegistry {
         }
     }
 
+    /// The certificate and key files of every live certificate.
+    pub fn files(&self) -> Vec<PathBuf> {
+        let live: Vec<Arc<ReloadableCert>> =
+            self.certs.lock().map(|c| c.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
+        live.iter().flat_map(|c| c.files().map(std::path::Path::to_path_buf)).collect()
+    }
+
     /// Re-reads every live certificate; failures keep the old pair and are returned.
     pub fn reload_all(&self) -> Vec<String> {
         let live: Vec<Arc<ReloadableCert>> =
@@ -453,22 +460,28 @@ fn record_reload(result: &anyhow::Result<ReloadSummary>) {
     }
 }
 
-/// Reloads when the configuration file's content changes (Kubernetes ConfigMap updates swap a
-/// symlink, so the content is compared, not the modification time).
+/// Reloads when the configuration file or a certificate or key file changes (Kubernetes
+/// ConfigMap and Secret updates swap a symlink, so contents are compared, not modification
+/// times; a cert-manager renewal is picked up without a SIGHUP).
 async fn watch_config(handle: GatewayHandle) {
     let Some(path) = handle.shared.config_path.clone() else { return };
     let interval = handle.shared.config.reload_check_interval.0;
-    let mut last = std::fs::read(&path).ok();
+    let snapshot = |shared: &Shared| {
+        let mut files = vec![path.clone()];
+        files.extend(shared.certs.files());
+        files.iter().map(|f| std::fs::read(f).ok()).collect::<Vec<_>>()
+    };
+    let mut last = snapshot(&handle.shared);
     loop {
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
             () = handle.shared.drain_started.cancelled() => return,
         }
-        let now = std::fs::read(&path).ok();
-        if now.is_some() && now != last {
-            last = now;
-            tracing::info!(file = %path.display(), "configuration file changed; reloading");
+        let now = snapshot(&handle.shared);
+        if now.first().is_some_and(Option::is_some) && now != last {
+            tracing::info!(file = %path.display(), "configuration or certificate files changed; reloading");
             let _ = handle.reload().await;
+            last = snapshot(&handle.shared);
         }
     }
 }

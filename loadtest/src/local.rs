@@ -188,6 +188,7 @@ impl LocalDeployment {
             },
             frontend: FrontendConfig {
                 uds: Some(frontend_uds.clone()),
+                uds_mode: None,
                 tcp: Some(TcpFrontendConfig { listen: loopback(0), tls: None, client_ca_file: None }),
                 client_names: vec![],
             },

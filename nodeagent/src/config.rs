@@ -298,6 +298,7 @@ impl AgentConfig {
             ));
         }
         if let Some(ca) = &gw.ca_file
+            && check_files
             && !ca.is_file()
         {
             problems.push(format!("gateway.ca_file: {} does not exist", ca.display()));

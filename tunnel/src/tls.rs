@@ -120,6 +120,11 @@ impl ReloadableCert {
         Ok(())
     }
 
+    /// The certificate and key files.
+    pub fn files(&self) -> [&Path; 2] {
+        [&self.cert_path, &self.key_path]
+    }
+
     /// The certificate chain now in use.
     pub fn chain(&self) -> Vec<CertificateDer<'static>> {
         self.current.load().cert.clone()

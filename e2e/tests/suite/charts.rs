@@ -328,14 +328,11 @@ fn rendered_gateway_configurations_pass_the_gateway_binary_check() {
         assert_eq!(ports.len(), listens.len(), "{}: container ports {ports:?} vs listeners {listens:?}", r.label);
 
         let outcome = check_config("tether-gateway", dir.path(), &format!("{}.yaml", r.label), text, &env);
-        if r.label == "default" {
-            // The defaults carry no tenant, and the gateway refuses to start without one.
-            let error = outcome.expect_err("the default configuration has no tenant");
-            assert!(error.contains("tenants: no tenants configured"), "{error}");
-        } else {
+        {
+            // The defaults carry no tenant: the gateway starts and waits for a reload to add one.
             let ok = outcome
                 .unwrap_or_else(|e| panic!("tether-gateway refused the {} configuration:\n{e}\n{text}", r.label));
-            let tenants = config["tenants"].as_array().unwrap().len();
+            let tenants = config["tenants"].as_array().map_or(0, Vec::len);
             assert!(ok.contains(&format!("configuration OK: {tenants} tenant(s)")), "{ok}");
             checked += 1;
         }
@@ -347,17 +344,11 @@ fn rendered_gateway_configurations_pass_the_gateway_binary_check() {
 fn rendered_agent_configurations_pass_the_agent_binary_check() {
     let tools = Tools::find();
     let dir = ScratchDir::new("tether-charts-agent").unwrap();
-    // `--offline` still requires gateway.ca_file to exist (unlike token_file and password_file):
-    // give the check a CA file through the environment; that the rendered path is mounted is
-    // asserted separately.
-    let ca = dir.path().join("ca.crt");
-    std::fs::write(&ca, "placeholder: --offline does not read it\n").unwrap();
+    // `--offline` checks the rendered paths without requiring the files; that each path is
+    // mounted is asserted separately.
     let renderings = render_all(&tools, AGENT);
     let mut checked = 0;
-    let mut check = |label: &str, what: &str, text: &str, mut env: Vec<(String, String)>, config: &Value| {
-        if config["gateway"]["ca_file"].is_string() {
-            env.push(("TETHER__GATEWAY__CA_FILE".into(), ca.display().to_string()));
-        }
+    let mut check = |label: &str, what: &str, text: &str, env: Vec<(String, String)>, config: &Value| {
         let ok = check_config("tether-agent", dir.path(), &format!("{label}-{what}.yaml"), text, &env)
             .unwrap_or_else(|e| panic!("tether-agent refused the {label} {what} configuration:\n{e}\n{text}"));
         let id = config["agent_id"].as_str().unwrap_or(NODE_NAME);

@@ -328,3 +328,96 @@ async fn agents_follow_a_scale_out_and_a_scale_in() {
         }
     }
 }
+
+/// Benchmark, not a test: time for agents to cover a new replica, dial latency through a peer
+/// versus local, and failed dials during a rolling restart. Run with
+/// `cargo test --release -p tether-e2e --test suite bench_ha -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark; run explicitly"]
+async fn bench_ha() {
+    // Coverage of a new replica by 50 agents.
+    let mut cluster = Cluster::start(3, 2).await;
+    let agents = fleet(&cluster, 50, "all").await;
+    assert!(all_hold(&agents, 2, Duration::from_secs(60)).await);
+    let started = std::time::Instant::now();
+    cluster.start_replica(2).await;
+    assert!(all_hold(&agents, 3, Duration::from_secs(120)).await);
+    let cover = started.elapsed();
+    drop(agents);
+
+    // Dial latency: local agent vs forwarded to the peer holding it (one session per agent).
+    let cluster2 = Cluster::start(2, 2).await;
+    let single = fleet(&cluster2, 1, "one").await;
+    assert!(all_hold(&single, 1, Duration::from_secs(30)).await);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let target = single[0].1;
+    let held_by = single[0].0.state.server_ids()[0].clone();
+    let replicas = cluster2.running_replicas();
+    let (local, remote) = if held_by == "gw-0" { (replicas[0], replicas[1]) } else { (replicas[1], replicas[0]) };
+    let measure = async |frontend: SocketAddr| {
+        let mut samples = Vec::new();
+        for _ in 0..500 {
+            let t = std::time::Instant::now();
+            echo_via(frontend, target).await.unwrap();
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        samples.sort_by(f64::total_cmp);
+        (samples[250], samples[495])
+    };
+    let (local_p50, local_p99) = measure(local.frontend).await;
+    let (peer_p50, peer_p99) = measure(remote.frontend).await;
+
+    // Failed dials during a rolling restart of three replicas under load.
+    let restart = Cluster::start(3, 3).await;
+    let mut restart = restart;
+    let agents = fleet(&restart, 20, "all").await;
+    assert!(all_hold(&agents, 3, Duration::from_secs(60)).await);
+    let targets: Vec<SocketAddr> = agents.iter().map(|(_, t)| *t).collect();
+    let (ok, failed, running) =
+        (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(true)));
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let (ok, failed, running, targets, lb) =
+            (ok.clone(), failed.clone(), running.clone(), targets.clone(), restart.connect_lb);
+        load.push(tokio::spawn(async move {
+            let mut i = worker;
+            while running.load(Ordering::Relaxed) {
+                i += 1;
+                if echo_via(lb, targets[i % targets.len()]).await.is_ok() {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let rolling = std::time::Instant::now();
+    for i in 0..3 {
+        restart.stop_replica(i).await;
+        restart.start_replica(i).await;
+        assert!(all_hold(&agents, 3, Duration::from_secs(60)).await);
+    }
+    let rolling = rolling.elapsed();
+    running.store(false, Ordering::Relaxed);
+    for worker in load {
+        worker.await.unwrap();
+    }
+    println!("\nHA figures");
+    println!("  50 agents cover a new replica in      {:.2} s", cover.as_secs_f64());
+    println!("  dial + echo, local agent              p50 {local_p50:.0} us, p99 {local_p99:.0} us");
+    println!("  dial + echo, through a peer replica   p50 {peer_p50:.0} us, p99 {peer_p99:.0} us");
+    println!(
+        "  rolling restart of 3 replicas ({:.1} s): {} dials ok, {} failed",
+        rolling.as_secs_f64(),
+        ok.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed)
+    );
+    let json = serde_json::json!({
+        "agents": 50, "cover_new_replica_s": cover.as_secs_f64(),
+        "local_dial_p50_us": local_p50, "local_dial_p99_us": local_p99,
+        "peer_dial_p50_us": peer_p50, "peer_dial_p99_us": peer_p99,
+        "rolling_restart_s": rolling.as_secs_f64(), "rolling_ok": ok.load(Ordering::Relaxed), "rolling_failed": failed.load(Ordering::Relaxed),
+    });
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-ha.json");
+    std::fs::write(out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}

@@ -4,6 +4,7 @@
 
 mod auth;
 mod binaries;
+mod charts;
 mod forward;
 mod ha;
 mod oidc;
