@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tether_tunnel::framed::{FrameError, read_frame, read_raw_frame, write_frame};
+use tether_tunnel::framed::{FrameError, forward_frames, read_frame, read_raw_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxStream, Role};
 use tether_tunnel::protocol::{
     self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, ServerCount, StreamOpen,
@@ -149,7 +149,7 @@ async fn serve(
 
     let (control_read, mut control_write) = tokio::io::split(control);
     let (message_tx, mut messages) = mpsc::channel(16);
-    let reader = AbortOnDrop(tokio::spawn(read_control(control_read, message_tx)));
+    let reader = AbortOnDrop(tokio::spawn(forward_frames(control_read, MAX_CONTROL_FRAME, message_tx)));
     let mut subject = identity.subject;
     let expiry = tokio::time::sleep_until(deadline(identity.expires_at));
     tokio::pin!(expiry);
@@ -334,23 +334,6 @@ async fn serve_inbound(mut stream: MuxStream, tenant: &Tenant, agent_id: &str) {
         Ok(None) | Err(_) => StreamResult::refused(ErrorCode::BadRequest, "malformed stream header"),
     };
     let _ = write_frame(&mut stream, &refusal, MAX_STREAM_FRAME).await;
-}
-
-async fn read_control<R: AsyncRead + Unpin>(mut reader: R, tx: mpsc::Sender<Result<ControlMessage, FrameError>>) {
-    loop {
-        match read_frame::<ControlMessage, _>(&mut reader, MAX_CONTROL_FRAME).await {
-            Ok(message) => {
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-            }
-            Err(FrameError::Eof) => return,
-            Err(e) => {
-                let _ = tx.send(Err(e)).await;
-                return;
-            }
-        }
-    }
 }
 
 async fn send<W: AsyncWrite + Unpin>(writer: &mut WriteHalf<W>, message: &ControlMessage) -> Result<(), FrameError> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tether_tunnel::duration::HumanDuration;
-use tether_tunnel::telemetry::LogFormat;
+use tether_tunnel::telemetry::LogConfig;
 
 /// The whole gateway configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -33,6 +33,11 @@ pub struct GatewayConfig {
     /// How long SIGTERM waits for streams to finish before closing sessions.
     #[serde(default = "defaults::drain_grace_period")]
     pub drain_grace_period: HumanDuration,
+    /// After SIGTERM, keep accepting for this long while `/readyz` says draining, so load
+    /// balancers that health-check (rather than Kubernetes endpoints) stop sending new
+    /// connections before the listeners close. Set it to the balancer's check interval x fall count.
+    #[serde(default)]
+    pub drain_delay: HumanDuration,
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
@@ -200,24 +205,6 @@ impl Default for GlobalLimits {
             connect_request_timeout: defaults::request_timeout(),
             ws_read_buffer_size: defaults::ws_read_buffer(),
         }
-    }
-}
-
-/// Logging settings.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LogConfig {
-    /// `text` or `json`.
-    #[serde(default)]
-    pub format: LogFormat,
-    /// Filter in `RUST_LOG` syntax.
-    #[serde(default = "defaults::log_level")]
-    pub level: String,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self { format: LogFormat::Text, level: defaults::log_level() }
     }
 }
 
@@ -474,9 +461,6 @@ mod defaults {
     pub fn max_streams_per_agent() -> usize {
         8192
     }
-    pub fn log_level() -> String {
-        "info".into()
-    }
     pub fn routing() -> Vec<RoutingStrategy> {
         vec![RoutingStrategy::DestHost, RoutingStrategy::DefaultRoute, RoutingStrategy::LeastLoaded]
     }
@@ -542,14 +526,7 @@ impl GatewayConfig {
     /// Like [`load`](Self::load); with `check_files` false, referenced files need not exist
     /// (checking a configuration rendered for another machine, e.g. a Helm chart).
     pub fn load_checked(file: Option<&Path>, check_files: bool) -> anyhow::Result<Self> {
-        let config: Self = tether_tunnel::settings::load(file)?;
-        let problems = config.validate_with(check_files);
-        if !problems.is_empty() {
-            let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
-            let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
-            anyhow::bail!("invalid configuration in {source}:\n{}", list.join("\n"));
-        }
-        Ok(config)
+        Ok(tether_tunnel::settings::load_validated(file, |c: &Self| c.validate_with(check_files))?)
     }
 
     /// Every problem found, each naming its key and the fix. Empty when the configuration is usable.

@@ -61,6 +61,8 @@ pub struct Shared {
     pub mux: MuxSettings,
     /// Set once every listener is serving.
     pub listeners_up: AtomicBool,
+    /// Set at SIGTERM, before the drain starts: `/readyz` fails so balancers move away.
+    pub unready: AtomicBool,
     /// Every certificate loaded from files, re-read on reload.
     pub certs: CertRegistry,
     /// The other replicas, when `peers` is configured.
@@ -242,6 +244,7 @@ impl Gateway {
             },
             mux: MuxSettings { max_streams: config.limits.max_streams_per_agent, ..MuxSettings::default() },
             listeners_up: AtomicBool::new(false),
+            unready: AtomicBool::new(false),
             certs,
             reload_lock: tokio::sync::Mutex::new(()),
             config,
@@ -343,8 +346,17 @@ impl Gateway {
         }
 
         let grace = shared.config.drain_grace_period.0;
-        tracing::info!(grace_period_s = grace.as_secs(), "draining: no new agents or connections; agents told to move");
+        shared.unready.store(true, Ordering::Relaxed);
         metrics::gauge!(DRAINING).set(1.0);
+        let delay = shared.config.drain_delay.0;
+        if !delay.is_zero() {
+            tracing::info!(
+                delay_ms = delay.as_millis() as u64,
+                "not ready; still accepting while load balancers notice"
+            );
+            tokio::time::sleep(delay).await;
+        }
+        tracing::info!(grace_period_s = grace.as_secs(), "draining: no new agents or connections; agents told to move");
         shared.drain_started.cancel();
         for listener in listeners {
             let _ = listener.await;

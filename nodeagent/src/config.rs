@@ -8,7 +8,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use tether_tunnel::duration::HumanDuration;
-use tether_tunnel::telemetry::LogFormat;
+use tether_tunnel::telemetry::LogConfig;
 
 use crate::allowlist::PortSpec;
 
@@ -186,24 +186,6 @@ pub struct ListenerConfig {
     pub target: String,
 }
 
-/// Logging settings.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LogConfig {
-    /// `text` or `json`.
-    #[serde(default)]
-    pub format: LogFormat,
-    /// Filter in `RUST_LOG` syntax.
-    #[serde(default = "defaults::log_level")]
-    pub level: String,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        Self { format: LogFormat::Text, level: defaults::log_level() }
-    }
-}
-
 mod defaults {
     use super::*;
 
@@ -243,9 +225,6 @@ mod defaults {
     pub fn yes() -> bool {
         true
     }
-    pub fn log_level() -> String {
-        "info".into()
-    }
 }
 
 impl AgentConfig {
@@ -257,14 +236,7 @@ impl AgentConfig {
     /// Like [`load`](Self::load); with `check_files` false, referenced files need not exist
     /// (checking a configuration rendered for another machine, e.g. a Helm chart).
     pub fn load_checked(file: Option<&Path>, check_files: bool) -> anyhow::Result<Self> {
-        let config: Self = tether_tunnel::settings::load(file)?;
-        let problems = config.validate_with(check_files);
-        if !problems.is_empty() {
-            let source = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
-            let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
-            anyhow::bail!("invalid configuration in {source}:\n{}", list.join("\n"));
-        }
-        Ok(config)
+        Ok(tether_tunnel::settings::load_validated(file, |c: &Self| c.validate_with(check_files))?)
     }
 
     /// Every problem found, as `key: problem and fix`.

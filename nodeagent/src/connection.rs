@@ -10,13 +10,13 @@ use std::time::Duration;
 use std::sync::Mutex;
 use tether_tunnel::backoff::Backoff;
 use tether_tunnel::client::{self, ClientSettings, ConnectError};
-use tether_tunnel::framed::{FrameError, read_frame, write_frame};
+use tether_tunnel::framed::{FrameError, forward_frames, read_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxSettings, MuxStream, Role, Session};
 use tether_tunnel::protocol::{
     ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION, StreamOpen,
     StreamResult, TokenRefresh, Welcome,
 };
-use tokio::io::{AsyncRead, WriteHalf};
+use tokio::io::WriteHalf;
 
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -361,7 +361,7 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
 
     let (control_read, mut control_write) = tokio::io::split(control);
     let (message_tx, mut messages) = mpsc::channel(16);
-    let reader = tokio::spawn(read_control(control_read, message_tx));
+    let reader = tokio::spawn(forward_frames(control_read, MAX_CONTROL_FRAME, message_tx));
     let mut token_check = tokio::time::interval(ctx.token_check_interval);
     token_check.tick().await;
 
@@ -459,23 +459,6 @@ async fn finish_draining(
 /// The control stream of a draining session, kept open until the session ends.
 type DrainingControl =
     (WriteHalf<MuxStream>, tokio::task::JoinHandle<()>, mpsc::Receiver<Result<ControlMessage, FrameError>>);
-
-async fn read_control<R: AsyncRead + Unpin>(mut reader: R, tx: mpsc::Sender<Result<ControlMessage, FrameError>>) {
-    loop {
-        match read_frame::<ControlMessage, _>(&mut reader, MAX_CONTROL_FRAME).await {
-            Ok(message) => {
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-            }
-            Err(FrameError::Eof) => return,
-            Err(e) => {
-                let _ = tx.send(Err(e)).await;
-                return;
-            }
-        }
-    }
-}
 
 async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Result<(), FrameError> {
     write_frame(writer, message, MAX_CONTROL_FRAME).await

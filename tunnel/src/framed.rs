@@ -64,6 +64,30 @@ where
     Ok(frame)
 }
 
+/// Reads frames until the stream ends and hands each to `tx`: lets a `select!` loop receive
+/// frames without cancelling a half-read one. A clean end of stream closes the channel; an error
+/// is sent, then the channel closes.
+pub async fn forward_frames<T, R>(mut reader: R, max: usize, tx: tokio::sync::mpsc::Sender<Result<T, FrameError>>)
+where
+    T: DeserializeOwned,
+    R: AsyncRead + Unpin,
+{
+    loop {
+        match read_frame::<T, _>(&mut reader, max).await {
+            Ok(message) => {
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+            Err(FrameError::Eof) => return,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        }
+    }
+}
+
 /// Writes one frame and flushes it.
 pub async fn write_frame<T, W>(writer: &mut W, msg: &T, max: usize) -> Result<(), FrameError>
 where

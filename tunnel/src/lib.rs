@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod cli;
 pub mod client;
 pub mod duration;
 pub mod framed;

@@ -7,6 +7,14 @@ use serde::de::DeserializeOwned;
 /// Why the configuration could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
+    /// The configuration parsed but is not usable; every problem names its key and the fix.
+    #[error("invalid configuration in {source_name}:\n{}", problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        /// The file, or "environment".
+        source_name: String,
+        /// The problems.
+        problems: Vec<String>,
+    },
     /// The file could not be read or parsed, or a value has the wrong type.
     #[error("configuration {}: {reason}", path.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "(environment only)".into()))]
     Load {
@@ -43,4 +51,20 @@ pub fn load<T: DeserializeOwned>(file: Option<&Path>) -> Result<T, SettingsError
     );
     let merged = builder.build().map_err(|e| error(e.to_string()))?;
     merged.try_deserialize().map_err(|e| error(e.to_string()))
+}
+
+/// Loads like [`load`], then runs `validate`; any problem it reports fails the load.
+pub fn load_validated<T, P, F>(file: Option<&Path>, validate: F) -> Result<T, SettingsError>
+where
+    T: DeserializeOwned,
+    P: std::fmt::Display,
+    F: FnOnce(&T) -> Vec<P>,
+{
+    let config: T = load(file)?;
+    let problems: Vec<String> = validate(&config).iter().map(ToString::to_string).collect();
+    if problems.is_empty() {
+        return Ok(config);
+    }
+    let source_name = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
+    Err(SettingsError::Invalid { source_name, problems })
 }

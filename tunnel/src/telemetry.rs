@@ -17,6 +17,28 @@ pub enum LogFormat {
     Json,
 }
 
+/// The `log` section both binaries share.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// Filter in `RUST_LOG` syntax.
+    #[serde(default = "default_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Text, level: default_level() }
+    }
+}
+
+fn default_level() -> String {
+    "info".into()
+}
+
 /// Starts logging to stderr. `filter` uses `RUST_LOG` syntax (`info`, `tether_gateway=debug`);
 /// the `RUST_LOG` environment variable wins when set.
 pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), String> {

@@ -104,6 +104,8 @@ impl Cluster {
             "tls": { "cert_file": self.cert.cert, "key_file": self.cert.key },
             "keepalive": { "ping_interval": "1s", "ping_timeout": "2s" },
             "drain_grace_period": "3s",
+            // haproxy checks every 200 ms and takes a replica out after one failed check.
+            "drain_delay": "600ms",
             "peers": {
                 "listen": r.peer.to_string(),
                 "tls": { "cert_file": self.peer_cert.cert, "key_file": self.peer_cert.key, "ca_file": self.ca.ca_cert, "server_name": PEER_NAME },

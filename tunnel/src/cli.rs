@@ -1,0 +1,72 @@
+//! What both binaries do the same way at their edge: common flags, the runtime, exit codes.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::telemetry::{self, LogConfig, LogFormat};
+
+/// Flags both binaries take.
+#[derive(Debug, clap::Args)]
+pub struct CommonArgs {
+    /// YAML configuration file. Every key can be overridden as TETHER__SECTION__KEY.
+    #[arg(long, short, env = "TETHER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Validate the configuration (files included) and exit.
+    #[arg(long)]
+    pub check_config: bool,
+    /// With --check-config: do not require referenced files to exist (for configurations
+    /// rendered for another machine, such as a Helm chart's).
+    #[arg(long, requires = "check_config")]
+    pub offline: bool,
+    /// Log format (overrides log.format).
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Log filter, e.g. info or tether_gateway=debug (overrides log.level).
+    #[arg(long)]
+    pub log_level: Option<String>,
+}
+
+/// Exit code for a configuration that cannot be used.
+pub const EXIT_CONFIG: u8 = 2;
+
+/// Starts logging (flags over the `log` section), the aws-lc-rs TLS provider and the metrics
+/// recorder.
+pub fn start_telemetry(args: &CommonArgs, log: &LogConfig) -> Result<PrometheusHandle, String> {
+    let format = args.log_format.unwrap_or(log.format);
+    let level = args.log_level.clone().unwrap_or_else(|| log.level.clone());
+    telemetry::init_logging(format, &level)?;
+    crate::tls::install_default_provider();
+    telemetry::install_metrics()
+}
+
+/// Runs `main` on a multi-threaded runtime; an error is printed as `<name>: <error>` and exits 1.
+pub fn run<F, E>(name: &str, main: F) -> ExitCode
+where
+    F: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("{name}: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints a configuration error as `<name>: <error>` and returns the exit code for it.
+pub fn config_error(name: &str, error: &dyn Display) -> ExitCode {
+    eprintln!("{name}: {error:#}");
+    ExitCode::from(EXIT_CONFIG)
+}
