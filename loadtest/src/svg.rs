@@ -7,7 +7,7 @@ const WIDTH: f64 = 860.0;
 const HEIGHT: f64 = 480.0;
 const LEFT: f64 = 86.0;
 const RIGHT: f64 = 40.0;
-const TOP: f64 = 56.0;
+const TOP: f64 = 84.0;
 const BOTTOM: f64 = 64.0;
 const COLORS: [&str; 8] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf", "#7f7f7f"];
 
@@ -46,6 +46,18 @@ pub fn line_chart(labels: &Labels<'_>, lines: &[Line]) -> String {
     grid(&mut svg, &x_axis, &y_axis, &x_ticks, &y_ticks, &fmt_tick, &fmt_tick);
     for (i, line) in lines.iter().enumerate() {
         polyline(&mut svg, line, COLORS[i % COLORS.len()], &x_axis, &y_axis);
+        // Few samples: mark them, so a one-point series is still visible.
+        if line.points.len() <= 30 {
+            for p in &line.points {
+                let _ = writeln!(
+                    svg,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
+                    x_axis.px(p.0),
+                    y_axis.py(p.1),
+                    COLORS[i % COLORS.len()]
+                );
+            }
+        }
     }
     legend(&mut svg, lines.iter().enumerate().map(|(i, l)| (l.name.as_str(), COLORS[i % COLORS.len()], l.dashed)));
     svg.push_str("</svg>\n");
@@ -262,31 +274,26 @@ fn polyline(svg: &mut String, line: &Line, color: &str, x_axis: &Axis, y_axis: &
     );
 }
 
+/// One row (or two) of legend entries between the title and the plot, so it never hides data.
 fn legend<'a>(svg: &mut String, entries: impl Iterator<Item = (&'a str, &'a str, bool)>) {
-    let entries: Vec<_> = entries.collect();
-    if entries.is_empty() {
-        return;
-    }
-    let width = entries.iter().map(|e| e.0.chars().count()).max().unwrap_or(0) as f64 * 7.0 + 44.0;
-    let x = WIDTH - RIGHT - width - 8.0;
-    let y = TOP + 8.0;
-    let _ = writeln!(
-        svg,
-        r##"<rect x="{x:.1}" y="{y:.1}" width="{width:.1}" height="{:.1}" fill="#ffffff" fill-opacity="0.85" stroke="#bbbbbb"/>"##,
-        entries.len() as f64 * 18.0 + 8.0
-    );
-    for (i, (name, color, dashed)) in entries.iter().enumerate() {
-        let ly = y + 16.0 + i as f64 * 18.0;
-        let dash = if *dashed { r#" stroke-dasharray="7,4""# } else { "" };
+    let mut x = LEFT;
+    let mut y = 50.0;
+    for (name, color, dashed) in entries {
+        let width = name.chars().count() as f64 * 7.0 + 48.0;
+        if x + width > WIDTH - RIGHT && x > LEFT {
+            x = LEFT;
+            y += 18.0;
+        }
+        let dash = if dashed { r#" stroke-dasharray="7,4""# } else { "" };
         let _ = writeln!(
             svg,
-            r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="3"{dash}/>"#,
-            x + 8.0,
-            ly - 4.0,
-            x + 32.0,
-            ly - 4.0
+            r#"<line x1="{x:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="3"{dash}/>"#,
+            y - 4.0,
+            x + 24.0,
+            y - 4.0
         );
-        let _ = writeln!(svg, r#"<text x="{:.1}" y="{ly:.1}" class="legend">{}</text>"#, x + 38.0, escape(name));
+        let _ = writeln!(svg, r#"<text x="{:.1}" y="{y:.1}" class="legend">{}</text>"#, x + 30.0, escape(name));
+        x += width;
     }
 }
 
