@@ -188,7 +188,12 @@ async fn dial_through_replicas(
     let timeout = config.limits.dial_timeout.0;
     for strategy in &config.routing {
         if tenant.registry.pick_for(target, std::slice::from_ref(strategy)).is_some() {
-            return dial_local(tenant, target, std::slice::from_ref(strategy)).await;
+            match dial_local(tenant, target, std::slice::from_ref(strategy)).await {
+                // The local session broke or left (the agent is moving): its other sessions are
+                // on the peers.
+                Err(DialError::Tunnel(_) | DialError::NoAgent(_)) => {}
+                other => return other,
+            }
         }
         for (addr, server_id) in peers.candidates(&tenant.name, *strategy, target).into_iter().take(2) {
             let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(config.limits.max_streams))?;
