@@ -7,6 +7,7 @@ mod binaries;
 mod charts;
 mod forward;
 mod ha;
+mod loadtest;
 mod oidc;
 mod paths;
 mod resilience;
