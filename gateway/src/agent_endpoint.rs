@@ -93,7 +93,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
     let peer = client_address(req.headers(), conn.peer, &shared.config.listen);
     let shared_for_task = shared.clone();
     shared.session_tasks.spawn(async move {
-        let upgraded = match hyper::upgrade::on(req).await {
+        let upgraded = match Box::pin(hyper::upgrade::on(req)).await {
             Ok(upgraded) => upgraded,
             Err(e) => {
                 tracing::info!(tenant = %tenant.name, %peer, error = %e, "WebSocket upgrade did not complete");
@@ -102,7 +102,8 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
         };
         let shared = shared_for_task;
         let ws_config = shared.ws.tungstenite_config();
-        let ws = WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config)).await;
+        let ws =
+            Box::pin(WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config))).await;
         let stream = WsByteStream::new(ws, &shared.ws);
         agent_session::run(shared, tenant, identity, stream, peer, slots).await;
     });

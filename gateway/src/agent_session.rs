@@ -102,7 +102,10 @@ async fn serve(
     peer: SocketAddr,
     conn_id: u64,
 ) -> CloseReason {
-    let handshake = tokio::time::timeout(shared.config.limits.handshake_timeout.0, accept_hello(incoming)).await;
+    // Short-lived states are boxed so the session's long-lived future stays small (memory per
+    // idle agent).
+    let handshake =
+        Box::pin(tokio::time::timeout(shared.config.limits.handshake_timeout.0, accept_hello(incoming))).await;
     let (mut control, hello) = match handshake {
         Ok(Ok(pair)) => pair,
         Ok(Err(e)) => {
@@ -117,7 +120,7 @@ async fn serve(
 
     let agent_id = match agent_id(&hello, &identity) {
         Ok(id) => id,
-        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason).await,
+        Err(reason) => return Box::pin(refuse_hello(&mut control, tenant, peer, &reason)).await,
     };
     let identifiers = match AgentIdentifiers::from_declared(&hello.identifiers, identity.node_name.as_deref()) {
         Ok(ids) => ids,
@@ -136,7 +139,7 @@ async fn serve(
         write_frame(&mut control, &StreamResult::ok(), MAX_STREAM_FRAME).await?;
         write_frame(&mut control, &welcome, MAX_CONTROL_FRAME).await
     };
-    if let Err(e) = greeted.await {
+    if let Err(e) = Box::pin(greeted).await {
         tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent went away during the handshake");
         return CloseReason::HandshakeFailed;
     }
@@ -165,14 +168,14 @@ async fn serve(
                 tracing::warn!(tenant = %tenant.name, agent = %agent_id, "closing session: token expired without refresh");
                 break CloseReason::TokenExpired;
             }
-            message = messages.recv() => match message {
+            message = messages.recv() => match message.map(|m| *m) {
                 None => break CloseReason::AgentClosed,
                 Some(Err(e)) => {
                     tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "bad control message");
                     break CloseReason::ProtocolError;
                 }
                 Some(Ok(ControlMessage::TokenRefresh(refresh))) => {
-                    let answer = refresh_token(tenant, &agent_id, &mut subject, &refresh.token).await;
+                    let answer = Box::pin(refresh_token(tenant, &agent_id, &mut subject, &refresh.token)).await;
                     if let Some(expires_at) = answer.expires_at.filter(|_| answer.ok) {
                         expiry.as_mut().reset(deadline(expires_at));
                     }

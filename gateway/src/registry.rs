@@ -88,7 +88,7 @@ pub struct AgentSession {
     identifiers: RwLock<AgentIdentifiers>,
     active_streams: AtomicUsize,
     draining: AtomicBool,
-    control: mpsc::Sender<ControlMessage>,
+    control: mpsc::Sender<Box<ControlMessage>>,
 }
 
 impl AgentSession {
@@ -99,7 +99,7 @@ impl AgentSession {
         remote: SocketAddr,
         session: mux::Session,
         identifiers: AgentIdentifiers,
-        control: mpsc::Sender<ControlMessage>,
+        control: mpsc::Sender<Box<ControlMessage>>,
     ) -> Self {
         Self {
             conn_id,
@@ -137,7 +137,7 @@ impl AgentSession {
 
     /// Sends a control message to the agent (dropped if the session's queue is full or gone).
     pub fn send_control(&self, message: ControlMessage) -> bool {
-        self.control.try_send(message).is_ok()
+        self.control.try_send(Box::new(message)).is_ok()
     }
 
     /// The agent's current identifiers.

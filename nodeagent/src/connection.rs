@@ -373,7 +373,7 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                 }
                 None => break SessionEnd::Lost("the session closed".into()),
             },
-            message = messages.recv() => match message {
+            message = messages.recv() => match message.map(|m| *m) {
                 Some(Ok(ControlMessage::Drain(drain))) => {
                     metrics::counter!(DRAINS).increment(1);
                     tracing::info!(server = %welcome.server_id, reason = %drain.reason, deadline_ms = drain.deadline_ms, "gateway asked to move; reconnecting while in-flight streams finish");
@@ -458,7 +458,7 @@ async fn finish_draining(
 
 /// The control stream of a draining session, kept open until the session ends.
 type DrainingControl =
-    (WriteHalf<MuxStream>, tokio::task::JoinHandle<()>, mpsc::Receiver<Result<ControlMessage, FrameError>>);
+    (WriteHalf<MuxStream>, tokio::task::JoinHandle<()>, mpsc::Receiver<Box<Result<ControlMessage, FrameError>>>);
 
 async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Result<(), FrameError> {
     write_frame(writer, message, MAX_CONTROL_FRAME).await

@@ -67,7 +67,10 @@ where
 /// Reads frames until the stream ends and hands each to `tx`: lets a `select!` loop receive
 /// frames without cancelling a half-read one. A clean end of stream closes the channel; an error
 /// is sent, then the channel closes.
-pub async fn forward_frames<T, R>(mut reader: R, max: usize, tx: tokio::sync::mpsc::Sender<Result<T, FrameError>>)
+///
+/// Results are boxed: channel slots are allocated in blocks up front, and small slots keep idle
+/// sessions small.
+pub async fn forward_frames<T, R>(mut reader: R, max: usize, tx: tokio::sync::mpsc::Sender<Box<Result<T, FrameError>>>)
 where
     T: DeserializeOwned,
     R: AsyncRead + Unpin,
@@ -75,13 +78,13 @@ where
     loop {
         match read_frame::<T, _>(&mut reader, max).await {
             Ok(message) => {
-                if tx.send(Ok(message)).await.is_err() {
+                if tx.send(Box::new(Ok(message))).await.is_err() {
                     return;
                 }
             }
             Err(FrameError::Eof) => return,
             Err(e) => {
-                let _ = tx.send(Err(e)).await;
+                let _ = tx.send(Box::new(Err(e))).await;
                 return;
             }
         }

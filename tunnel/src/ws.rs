@@ -36,6 +36,11 @@ pub struct WsSettings {
     pub accept_unmasked_frames: bool,
     /// Keepalive; `None` disables pings and dead-peer detection.
     pub keepalive: Option<KeepaliveSettings>,
+    /// Send on the next read attempt instead of at each flush, so frames of many streams written
+    /// in one round of the multiplexer go out as one message, one TLS record and one syscall.
+    /// The multiplexer's driver always reads once it has nothing more to write, so nothing waits
+    /// longer than that round. Only for a driver that behaves that way (yamux does).
+    pub coalesce_flushes: bool,
 }
 
 impl Default for WsSettings {
@@ -46,6 +51,7 @@ impl Default for WsSettings {
             send_threshold: 256 * 1024,
             accept_unmasked_frames: false,
             keepalive: Some(KeepaliveSettings::default()),
+            coalesce_flushes: true,
         }
     }
 }
@@ -109,6 +115,8 @@ pub struct WsByteStream<S> {
     send_threshold: usize,
     keepalive: Option<Keepalive>,
     needs_flush: bool,
+    coalesce: bool,
+    flush_deferred: bool,
     read_eof: bool,
 }
 
@@ -125,6 +133,8 @@ where
             send_threshold: settings.send_threshold.max(1),
             keepalive: settings.keepalive.map(Keepalive::new),
             needs_flush: false,
+            coalesce: settings.coalesce_flushes,
+            flush_deferred: false,
             read_eof: false,
         }
     }
@@ -144,6 +154,23 @@ where
         Pin::new(&mut self.ws).start_send(message).map_err(ws_to_io)?;
         self.needs_flush = true;
         Poll::Ready(Ok(()))
+    }
+
+    /// Sends what a deferred flush left in the buffer; a full transport is retried on a later
+    /// read (it must not stop reads, or two peers could wait on each other).
+    fn poll_deferred_flush(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if !self.flush_deferred {
+            return Ok(());
+        }
+        if let Poll::Ready(result) = self.poll_send_buffered(cx) {
+            result?;
+            if let Poll::Ready(result) = Pin::new(&mut self.ws).poll_flush(cx) {
+                result.map_err(ws_to_io)?;
+                self.needs_flush = false;
+                self.flush_deferred = false;
+            }
+        }
+        Ok(())
     }
 
     /// Sends pings when due and fails once the peer has been silent for too long.
@@ -185,6 +212,7 @@ where
 {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        this.poll_deferred_flush(cx)?;
         loop {
             if !this.read_buf.is_empty() {
                 let n = this.read_buf.len().min(buf.remaining());
@@ -238,6 +266,10 @@ where
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.coalesce {
+            this.flush_deferred = true;
+            return Poll::Ready(Ok(()));
+        }
         ready!(this.poll_send_buffered(cx))?;
         ready!(Pin::new(&mut this.ws).poll_flush(cx)).map_err(ws_to_io)?;
         this.needs_flush = false;
@@ -282,7 +314,24 @@ mod tests {
     }
 
     fn no_keepalive() -> WsSettings {
-        WsSettings { keepalive: None, ..WsSettings::default() }
+        WsSettings { keepalive: None, coalesce_flushes: false, ..WsSettings::default() }
+    }
+
+    #[tokio::test]
+    async fn coalesced_flushes_go_out_as_one_message_at_the_next_read() {
+        let settings = WsSettings { keepalive: None, ..WsSettings::default() };
+        let (mut bytes, mut raw) = pair(&settings).await;
+        // Three frames from three streams, each followed by a flush, in one multiplexer round.
+        for frame in [&b"first "[..], b"second ", b"third"] {
+            bytes.write_all(frame).await.unwrap();
+            bytes.flush().await.unwrap();
+        }
+        // The round ends with a read attempt, which sends everything as one message.
+        let mut buf = [0u8; 8];
+        let read = tokio::time::timeout(Duration::from_millis(50), bytes.read(&mut buf)).await;
+        assert!(read.is_err(), "nothing to read yet");
+        let message = raw.next().await.unwrap().unwrap();
+        assert_eq!(message, Message::Binary(Bytes::from_static(b"first second third")));
     }
 
     #[tokio::test]

@@ -145,12 +145,15 @@ pub async fn serve_tcp(
         let (tenant, shared2, tls) = (tenant.clone(), shared.clone(), tls.clone());
         shared.conn_tasks.spawn(async move {
             let peer = peer.to_string();
+            // Each branch is boxed: a task lives as long as its tunnelled connection, and an
+            // unboxed future would reserve room for the TLS handshake and every branch.
             match tls {
-                None => serve_connection(stream, tenant, shared2, &peer).await,
+                None => Box::pin(serve_connection(stream, tenant, shared2, &peer)).await,
                 Some(acceptor) => {
                     let timeout = shared2.config.limits.handshake_timeout.0;
-                    match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(tls_stream)) => serve_connection(tls_stream, tenant, shared2, &peer).await,
+                    let accepted = Box::pin(tokio::time::timeout(timeout, acceptor.accept(stream))).await;
+                    match accepted {
+                        Ok(Ok(tls_stream)) => Box::pin(serve_connection(tls_stream, tenant, shared2, &peer)).await,
                         Ok(Err(e)) => {
                             tracing::info!(tenant = %tenant.name, %peer, error = %e, "frontend TLS handshake failed");
                         }
@@ -174,7 +177,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let request_timeout = shared.config.limits.connect_request_timeout.0;
-    let request = match tokio::time::timeout(request_timeout, read_request(&mut client)).await {
+    let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
             let _ = client.write_all(&error_response(400, "timed out waiting for the CONNECT request")).await;
             return;
@@ -197,7 +200,8 @@ where
             return;
         }
     };
-    let mut dialed = match dial(&shared, &tenant, &target).await {
+    // Boxed so the connection's long-lived future does not keep room for the dial's states.
+    let mut dialed = match Box::pin(dial(&shared, &tenant, &target)).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
