@@ -73,35 +73,46 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     let count = |result: &'static str| {
         metrics::counter!(FORWARDS, "target" => label.clone(), "result" => result).increment(1);
     };
-    let Some(session) = ctx.state.wait_for_session(ctx.wait).await else {
-        count("no_session");
-        tracing::warn!(%target, %peer, wait_ms = ctx.wait.as_millis() as u64, "no session to the gateway; closing the node-side connection");
-        return;
-    };
-    let opened = async {
-        let mut stream = session.open().await.map_err(|e| ("tunnel_error", e.to_string()))?;
-        let request = StreamOpen::Forward(ForwardRequest { target: target.to_string() });
-        write_frame(&mut stream, &request, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
-        let result: StreamResult =
-            read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
-        if result.ok {
-            Ok(stream)
-        } else {
-            let code = result.code.map(|c| c.as_str()).unwrap_or("other");
-            Err((code, result.message.unwrap_or_default()))
-        }
-    };
-    let mut stream = match tokio::time::timeout(ctx.wait + Duration::from_secs(10), opened).await {
-        Ok(Ok(stream)) => stream,
-        Ok(Err((code, reason))) => {
-            count(code);
-            tracing::warn!(%target, %peer, code, %reason, "forward refused by the gateway");
+    // A session may be dying unnoticed (its gateway just went away): a stream that breaks before
+    // the gateway answers is retried on the next live session until the wait is over.
+    let deadline = tokio::time::Instant::now() + ctx.wait;
+    let mut stream = loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let Some(session) = ctx.state.wait_for_session(left).await else {
+            count("no_session");
+            tracing::warn!(%target, %peer, wait_ms = ctx.wait.as_millis() as u64, "no session to the gateway; closing the node-side connection");
             return;
-        }
-        Err(_) => {
-            count("timeout");
-            tracing::warn!(%target, %peer, "forward timed out waiting for the gateway");
-            return;
+        };
+        let opened = async {
+            let mut stream = session.open().await.map_err(|e| ("tunnel_error", e.to_string()))?;
+            let request = StreamOpen::Forward(ForwardRequest { target: target.to_string() });
+            write_frame(&mut stream, &request, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
+            let result: StreamResult =
+                read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
+            if result.ok {
+                Ok(stream)
+            } else {
+                let code = result.code.map(|c| c.as_str()).unwrap_or("other");
+                Err((code, result.message.unwrap_or_default()))
+            }
+        };
+        match tokio::time::timeout(ctx.wait + Duration::from_secs(10), opened).await {
+            Ok(Ok(stream)) => break stream,
+            Ok(Err(("tunnel_error", reason))) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!(%target, %peer, %reason, "session broke before the gateway answered; retrying");
+                // Until the broken session is noticed, it may be picked again; pace the retries.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(Err((code, reason))) => {
+                count(code);
+                tracing::warn!(%target, %peer, code, %reason, "forward refused by the gateway");
+                return;
+            }
+            Err(_) => {
+                count("timeout");
+                tracing::warn!(%target, %peer, "forward timed out waiting for the gateway");
+                return;
+            }
         }
     };
     count("ok");
