@@ -194,6 +194,11 @@ pub struct GlobalLimits {
     /// Bytes read per WebSocket read call, and the initial read buffer (memory per idle agent).
     #[serde(default = "defaults::ws_read_buffer")]
     pub ws_read_buffer_size: usize,
+    /// MiB by which the streams of one agent session may, together, grow their receive windows
+    /// beyond the initial 256 KiB each, so a stream keeps up with a long, fast link (node ->
+    /// control-plane downloads). 0 keeps every stream at 256 KiB per round trip.
+    #[serde(default = "defaults::window_growth_mib")]
+    pub window_growth_per_agent_mib: usize,
 }
 
 impl Default for GlobalLimits {
@@ -204,6 +209,7 @@ impl Default for GlobalLimits {
             handshake_timeout: defaults::handshake_timeout(),
             connect_request_timeout: defaults::request_timeout(),
             ws_read_buffer_size: defaults::ws_read_buffer(),
+            window_growth_per_agent_mib: defaults::window_growth_mib(),
         }
     }
 }
@@ -461,6 +467,9 @@ mod defaults {
     pub fn max_streams_per_agent() -> usize {
         8192
     }
+    pub fn window_growth_mib() -> usize {
+        tether_tunnel::mux::DEFAULT_WINDOW_GROWTH >> 20
+    }
     pub fn routing() -> Vec<RoutingStrategy> {
         vec![RoutingStrategy::DestHost, RoutingStrategy::DefaultRoute, RoutingStrategy::LeastLoaded]
     }
@@ -550,6 +559,9 @@ impl GatewayConfig {
         }
         if self.limits.max_streams_per_agent == 0 || self.limits.max_streams_per_agent > 1_000_000 {
             problems.push(problem("limits.max_streams_per_agent", "must be between 1 and 1000000"));
+        }
+        if self.limits.window_growth_per_agent_mib > 4096 {
+            problems.push(problem("limits.window_growth_per_agent_mib", "must be at most 4096 (default 32)"));
         }
         if !(1024..=1024 * 1024).contains(&self.limits.ws_read_buffer_size) {
             problems.push(problem("limits.ws_read_buffer_size", "must be between 1024 and 1048576 bytes"));
@@ -869,12 +881,13 @@ mod tests {
         assert_eq!(tenant.auth.algorithms, ["RS256", "ES256"]);
         assert_eq!(tenant.routing, defaults::routing());
         assert_eq!(tenant.limits.dial_timeout.0, Duration::from_secs(10));
+        assert_eq!(config.limits.window_growth_per_agent_mib, 32);
     }
 
     #[test]
     fn problems_name_the_key_and_the_fix() {
         let err = parse(
-            "tenants:\n  - name: Acme_Corp\n    hosts: []\n    auth:\n      issuer: ''\n      audiences: []\n      algorithms: [HS256, none]\n      jwks_file: /nonexistent/jwks.json\n    limits:\n      max_agents: 0\n      dial_timeout: 1ms\n",
+            "limits:\n  window_growth_per_agent_mib: 5000\ntenants:\n  - name: Acme_Corp\n    hosts: []\n    auth:\n      issuer: ''\n      audiences: []\n      algorithms: [HS256, none]\n      jwks_file: /nonexistent/jwks.json\n    limits:\n      max_agents: 0\n      dial_timeout: 1ms\n",
         )
         .unwrap_err();
         for expected in [
@@ -888,6 +901,7 @@ mod tests {
             "tenants[0].frontend",
             "tenants[0].limits.max_agents: must be at least 1",
             "tenants[0].limits.dial_timeout",
+            "limits.window_growth_per_agent_mib: must be at most 4096",
         ] {
             assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
         }

@@ -242,7 +242,11 @@ impl Gateway {
                 keepalive: Some(keepalive),
                 ..WsSettings::default()
             },
-            mux: MuxSettings { max_streams: config.limits.max_streams_per_agent, ..MuxSettings::default() },
+            mux: MuxSettings {
+                max_streams: config.limits.max_streams_per_agent,
+                window_growth: config.limits.window_growth_per_agent_mib << 20,
+                ..MuxSettings::default()
+            },
             listeners_up: AtomicBool::new(false),
             unready: AtomicBool::new(false),
             certs,

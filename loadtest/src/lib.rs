@@ -5,7 +5,8 @@
 //! are the node-side servers; [`connect_client`] speaks HTTP CONNECT like kube-apiserver.
 //!
 //! The harness (`tether-loadtest`): [`scenarios`] are the measurements, one module each;
-//! [`target`] is what the data-path scenarios send traffic through, [`sim_agent`] simulated agents,
+//! [`target`] is what the data-path scenarios send traffic through ([`delay`] emulates a long
+//! link), [`sim_agent`] simulated agents,
 //! [`procs`] the real binaries as child processes; [`report`] (JSON and tables), [`svg`] (charts),
 //! [`progress`] and [`stats`] present the results.
 
@@ -13,6 +14,7 @@
 
 pub mod backends;
 pub mod connect_client;
+pub mod delay;
 pub mod devpki;
 pub mod local;
 pub mod procs;

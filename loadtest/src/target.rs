@@ -16,7 +16,9 @@ use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::task::JoinHandle;
 
 use crate::backends;
+use crate::delay::DelayedLink;
 use crate::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
+use tether_agent::config::AgentConfig;
 
 /// A CONNECT frontend: `tcp://host:port` or `unix:///path`.
 #[derive(Debug, Clone)]
@@ -67,6 +69,13 @@ pub struct DataTarget {
     /// Fixed port for the echo server (default: any free port).
     #[arg(long, default_value_t = 0)]
     pub echo_port: u16,
+    /// Emulated one-way delay, in milliseconds, of the link between the node and the gateway
+    /// (in-process deployment only): the agent's connection to the gateway and the direct
+    /// baseline's connection to the node-side servers both cross a relay that holds every byte
+    /// this long, so both see the same round-trip time; the hop from the client to the frontend
+    /// stays local, as from a kube-apiserver next to the gateway.
+    #[arg(long, default_value_t = 0)]
+    pub link_delay_ms: u64,
 }
 
 /// How a client reaches a node-side server.
@@ -250,6 +259,8 @@ pub struct DataPath {
     pub frontends: Vec<(String, Frontend)>,
     local: Option<LocalDeployment>,
     servers: Vec<JoinHandle<()>>,
+    /// With `--link-delay-ms`: the delayed links, the direct routes' ones keyed by the server.
+    links: Vec<(SocketAddr, DelayedLink)>,
 }
 
 impl DataPath {
@@ -265,6 +276,10 @@ impl DataPath {
         let echo = echo_listener.local_addr()?;
         let servers = vec![backends::spawn_bulk(bulk_listener), backends::spawn_echo(echo_listener)];
         if let Some(frontend) = &target.frontend {
+            anyhow::ensure!(
+                target.link_delay_ms == 0,
+                "--link-delay-ms works only with the in-process deployment (without --frontend)"
+            );
             return Ok(Self {
                 kind: "external",
                 bulk,
@@ -272,24 +287,52 @@ impl DataPath {
                 frontends: vec![("tunnel".into(), frontend.clone())],
                 local: None,
                 servers,
+                links: Vec::new(),
             });
         }
-        let deployment = LocalDeployment::start(LocalOptions {
-            agents: vec![AgentSpec {
+        let delay = Duration::from_millis(target.link_delay_ms);
+        let mut links = Vec::new();
+        let mut options = LocalOptions::default();
+        let agent_link = if delay.is_zero() {
+            None
+        } else {
+            for server in [bulk, echo] {
+                let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+                links.push((server, DelayedLink::spawn(listener, server, delay)?));
+            }
+            // The agent dials the relay; the gateway's address is known once it runs.
+            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+            let relay = listener.local_addr()?;
+            options.tweak_agent = Some(std::sync::Arc::new(move |_: &str, config: &mut AgentConfig| {
+                config.gateway.url = format!("wss://{relay}/v1/tunnel");
+            }));
+            Some(listener)
+        };
+        let mut deployment = LocalDeployment::start(options).await?;
+        if let Some(listener) = agent_link {
+            let gateway = deployment.agent_addr;
+            links.push((gateway, DelayedLink::spawn(listener, gateway, delay)?));
+        }
+        deployment
+            .add_agent(AgentSpec {
                 id: "node-1".into(),
                 addresses: vec![target.backend_ip],
                 allow: vec![allow(target.backend_ip, &[bulk.port(), echo.port()])],
                 default_route: false,
-            }],
-            ..LocalOptions::default()
-        })
-        .await?;
+            })
+            .await?;
         deployment.wait_connected(Duration::from_secs(15)).await?;
         let frontends = vec![
             ("tunnel".into(), Frontend::Tcp(deployment.frontend_addr)),
             ("tunnel (unix socket)".into(), Frontend::Unix(deployment.frontend_uds.clone())),
         ];
-        Ok(Self { kind: "local", bulk, echo, frontends, local: Some(deployment), servers })
+        Ok(Self { kind: "local", bulk, echo, frontends, local: Some(deployment), servers, links })
+    }
+
+    /// The direct (baseline) route to `target`: across the delayed link with `--link-delay-ms`.
+    pub fn direct(&self, target: SocketAddr) -> Route {
+        let via = self.links.iter().find(|(server, _)| *server == target).map_or(target, |(_, link)| link.addr());
+        Route::Direct(via)
     }
 
     /// The main tunnel route to `target`.

@@ -89,6 +89,11 @@ pub struct GatewayConnection {
     /// Sessions to the gateway replicas behind the load balancer.
     #[serde(default)]
     pub pool: PoolConfig,
+    /// MiB by which the streams of one session may, together, grow their receive windows beyond
+    /// the initial 256 KiB each, so a stream keeps up with a long, fast link (control plane ->
+    /// node uploads). 0 keeps every stream at 256 KiB per round trip.
+    #[serde(default = "defaults::window_growth_mib")]
+    pub window_growth_mib: usize,
 }
 
 /// How many gateway replicas the agent holds sessions to.
@@ -219,6 +224,9 @@ mod defaults {
     pub fn token_check_interval() -> HumanDuration {
         Duration::from_secs(30).into()
     }
+    pub fn window_growth_mib() -> usize {
+        tether_tunnel::mux::DEFAULT_WINDOW_GROWTH >> 20
+    }
     pub fn duplicate_retry_max() -> HumanDuration {
         Duration::from_secs(2).into()
     }
@@ -284,6 +292,9 @@ impl AgentConfig {
         }
         if gw.ping_interval.0 < Duration::from_secs(1) || gw.ping_timeout.0 < Duration::from_secs(1) {
             problems.push("gateway.ping_interval / gateway.ping_timeout: must be at least 1s".into());
+        }
+        if gw.window_growth_mib > 4096 {
+            problems.push("gateway.window_growth_mib: must be at most 4096 (default 32)".into());
         }
         if let Some(url) = &gw.proxy.url {
             match url.parse::<http::Uri>() {

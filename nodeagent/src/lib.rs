@@ -105,7 +105,7 @@ impl Agent {
                 default_route: ids.default_route,
             },
             reconnect: (gw.reconnect_initial.0, gw.reconnect_max.0),
-            mux: MuxSettings::default(),
+            mux: MuxSettings { window_growth: gw.window_growth_mib << 20, ..MuxSettings::default() },
             policy: Arc::new(DialPolicy { allow, max_timeout: config.dial_timeout.0 }),
             state: Arc::new(AgentState::new(gw.pool.mode)),
             tasks: TaskTracker::new(),

@@ -41,14 +41,28 @@ pub struct MuxSettings {
     pub split_send_size: usize,
     /// Inbound streams queued for the acceptor before new ones are reset.
     pub accept_backlog: usize,
+    /// How far, in bytes and in total, the session's streams may grow their receive windows
+    /// beyond yamux's initial 256 KiB each. yamux doubles a stream's window while the peer fills
+    /// it within two round trips, so a stream converges on the link's bandwidth-delay product; a
+    /// stream kept at 256 KiB moves at most 256 KiB per round trip (12.5 MiB/s at 20 ms). A window
+    /// is credit, not an allocation: bytes are buffered only while the local reader lags.
+    pub window_growth: usize,
 }
+
+/// Default of [`MuxSettings::window_growth`]: a 32 MiB window, 1.6 GiB/s per stream at 20 ms.
+pub const DEFAULT_WINDOW_GROWTH: usize = 32 * 1024 * 1024;
 
 impl Default for MuxSettings {
     fn default() -> Self {
         // 64 KiB frames: yamux only grows a stream's 256 KiB window when half of it is used within
         // two measured round trips, which a loopback-speed tunnel rarely sees, so with 256 KiB
         // frames a transfer becomes stop-and-wait. Measured +22-32 % throughput (benchmarks.md).
-        Self { max_streams: 8192, split_send_size: 64 * 1024, accept_backlog: 1024 }
+        Self {
+            max_streams: 8192,
+            split_send_size: 64 * 1024,
+            accept_backlog: 1024,
+            window_growth: DEFAULT_WINDOW_GROWTH,
+        }
     }
 }
 
@@ -58,8 +72,9 @@ impl MuxSettings {
         let mut config = yamux::Config::default();
         // Both setters assert window >= 256 KiB x streams against the other's current value:
         // raise the window above both the old and new stream counts, set the count, then the
-        // final window. The window caps auto-tuning; it is not an allocation.
-        let window = max_streams.saturating_mul(256 * 1024);
+        // final window. yamux lets streams grow only into what the connection window holds
+        // beyond 256 KiB x streams: without `window_growth` on top, no stream ever grows.
+        let window = max_streams.saturating_mul(256 * 1024).saturating_add(self.window_growth);
         config.set_max_connection_receive_window(None);
         config.set_max_num_streams(max_streams);
         config.set_max_connection_receive_window(Some(window));

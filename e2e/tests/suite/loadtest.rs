@@ -80,13 +80,15 @@ fn series_named<'a>(result: &'a serde_json::Value, part: &str) -> &'a serde_json
 
 #[test]
 fn throughput_smoke() {
-    let (result, dir, stdout) = run(&["throughput", "--duration", "0.5", "--repeat", "1"]);
+    // Over an emulated 4 ms round trip, so the delayed-link path runs too.
+    let (result, dir, stdout) = run(&["throughput", "--duration", "0.5", "--repeat", "1", "--link-delay-ms", "2"]);
     for key in ["download_mib_s", "upload_mib_s"] {
         positive(&result, "baseline", key);
         positive(&result, "tunnel", key);
         positive(&result, "ratios", key);
     }
     assert_eq!(result["target"], "local");
+    assert_eq!(result["parameters"]["link_delay_ms"], 2);
     assert!(series_named(&result, "tunnel download")["points"].is_array());
     assert!(stdout.contains("tunnel/direct"), "{stdout}");
     check_svg(&dir, "throughput.svg");

@@ -207,3 +207,63 @@ pub async fn wait_for(timeout: Duration, mut check: impl FnMut() -> bool) -> boo
     }
     check()
 }
+
+/// Over a link with a 25 ms one-way delay, a stream's receive window grows past yamux's initial
+/// 256 KiB: the sender gets further ahead of the reader than 256 KiB. With no room to grow (the
+/// control), it never does, so a stream would move at most 256 KiB per round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_window_grows_to_fill_a_long_link() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tether_loadtest::delay::pipe;
+    use tether_tunnel::mux::{self, MuxSettings, Role};
+
+    async fn furthest_ahead(settings: MuxSettings) -> u64 {
+        let delay = Duration::from_millis(25);
+        let (client_io, near) = tokio::io::duplex(256 * 1024);
+        let (far, server_io) = tokio::io::duplex(256 * 1024);
+        let (near_read, near_write) = tokio::io::split(near);
+        let (far_read, far_write) = tokio::io::split(far);
+        tokio::spawn(pipe(near_read, far_write, delay));
+        tokio::spawn(pipe(far_read, near_write, delay));
+        let (client, _client_in, client_driver) = mux::start(client_io, Role::Client, &settings);
+        let (_server, mut server_in, server_driver) = mux::start(server_io, Role::Server, &settings);
+        tokio::spawn(client_driver);
+        tokio::spawn(server_driver);
+
+        let total: u64 = 6 << 20;
+        let read = Arc::new(AtomicU64::new(0));
+        let mut sender = client.open().await.unwrap();
+        let reader = {
+            let read = read.clone();
+            tokio::spawn(async move {
+                let mut stream = server_in.accept().await.unwrap();
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = stream.read(&mut buf).await.unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    read.fetch_add(n as u64, Ordering::SeqCst);
+                }
+            })
+        };
+        let chunk = vec![7u8; 16 * 1024];
+        let (mut written, mut ahead) = (0u64, 0u64);
+        while written < total {
+            sender.write_all(&chunk).await.unwrap();
+            written += chunk.len() as u64;
+            ahead = ahead.max(written.saturating_sub(read.load(Ordering::SeqCst)));
+        }
+        sender.shutdown().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), reader).await.unwrap().unwrap();
+        assert_eq!(read.load(Ordering::SeqCst), total);
+        ahead
+    }
+
+    let pinned = furthest_ahead(MuxSettings { window_growth: 0, ..MuxSettings::default() }).await;
+    assert!(pinned <= 256 * 1024, "without room to grow, a stream's window is 256 KiB: {pinned} bytes ahead");
+    let grown = furthest_ahead(MuxSettings::default()).await;
+    println!("furthest ahead: {pinned} bytes pinned, {grown} bytes with room to grow");
+    assert!(grown > 512 * 1024, "the window grew on a 50 ms round trip: only {grown} bytes ahead");
+}

@@ -33,7 +33,7 @@ pub struct DialRateArgs {
 pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
-    let mut routes = vec![("direct".to_owned(), Route::Direct(path.echo))];
+    let mut routes = vec![("direct".to_owned(), path.direct(path.echo))];
     for (label, frontend) in &path.frontends {
         routes.push((label.clone(), Route::Connect { frontend: frontend.clone(), target: path.echo }));
     }
@@ -51,6 +51,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         serde_json::json!({
             "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
             "request_bytes": 16, "frontends": path.frontends.iter().map(|f| f.1.to_string()).collect::<Vec<_>>(),
+            "link_delay_ms": args.target.link_delay_ms,
         }),
     );
     path.shutdown().await;

@@ -170,7 +170,7 @@ async fn measure(route: &Route, args: &LatencyArgs, progress: &Progress, label: 
 pub async fn run(args: &LatencyArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
-    let routes = [("direct", Route::Direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
+    let routes = [("direct", path.direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
     let mut runs: [Vec<LatencyRun>; 2] = [Vec::new(), Vec::new()];
     for rep in 0..args.repeat.max(1) {
         for (i, (via, route)) in routes.iter().enumerate() {
@@ -184,7 +184,7 @@ pub async fn run(args: &LatencyArgs, progress: &Progress) -> anyhow::Result<Outc
         serde_json::json!({
             "rate_per_s": args.rate, "connections": args.connections, "size": args.size,
             "duration_s": args.duration, "warmup_s": WARMUP.as_secs_f64(), "repeat": args.repeat,
-            "frontend": path.frontends.first().map(|f| f.1.to_string()),
+            "frontend": path.frontends.first().map(|f| f.1.to_string()), "link_delay_ms": args.target.link_delay_ms,
         }),
     );
     path.shutdown().await;

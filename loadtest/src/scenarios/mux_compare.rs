@@ -42,8 +42,8 @@ pub struct MuxCompareArgs {
     /// tokio-yamux stream windows to try, KiB (at least 256: smaller windows panic).
     #[arg(long, value_delimiter = ',', default_value = "256,4096")]
     pub tokio_yamux_windows_kib: Vec<u32>,
-    /// yamux `split_send_size` values to try, KiB (the tunnel's default is 256).
-    #[arg(long, value_delimiter = ',', default_value = "256")]
+    /// yamux `split_send_size` values to try, KiB (the tunnel's default is 64).
+    #[arg(long, value_delimiter = ',', default_value = "64")]
     pub yamux_split_kib: Vec<usize>,
     /// What the multiplexers run over: `wss` (the tunnel's stack) or `tcp` (plain loopback TCP,
     /// to separate the multiplexer from the WebSocket and TLS layers).

@@ -168,6 +168,7 @@ pub async fn run(args: &PeerArgs, progress: &Progress) -> anyhow::Result<Outcome
         backend_ip: std::net::IpAddr::from([127, 0, 0, 1]),
         bulk_port: 0,
         echo_port: 0,
+        link_delay_ms: 0,
     })
     .await?;
     let rathole = start_rathole(&binary, path.bulk, path.echo).await?;

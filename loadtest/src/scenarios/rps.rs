@@ -95,7 +95,7 @@ async fn measure(route: &Route, args: &RpsArgs, progress: &Progress, label: &str
 pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
-    let routes = [("direct", Route::Direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
+    let routes = [("direct", path.direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
     let mut runs: [Vec<RpsRun>; 2] = [Vec::new(), Vec::new()];
     for rep in 0..args.repeat.max(1) {
         for (i, (via, route)) in routes.iter().enumerate() {
@@ -108,7 +108,7 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
         path.kind,
         serde_json::json!({
             "connections": args.connections, "size": args.size, "duration_s": args.duration,
-            "repeat": args.repeat, "frontend": path.frontends.first().map(|f| f.1.to_string()),
+            "repeat": args.repeat, "frontend": path.frontends.first().map(|f| f.1.to_string()), "link_delay_ms": args.target.link_delay_ms,
         }),
     );
     path.shutdown().await;

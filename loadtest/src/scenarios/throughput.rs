@@ -10,7 +10,7 @@ use crate::scenarios::Outcome;
 use crate::scenarios::measure::{self, BulkResult, Direction};
 use crate::stats::{median, median_index};
 use crate::svg::{self, Labels, Line};
-use crate::target::{DataPath, DataTarget, Route};
+use crate::target::{DataPath, DataTarget};
 
 /// Options of `throughput`.
 #[derive(Debug, Clone, clap::Args)]
@@ -34,7 +34,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
-    let routes = [("direct", Route::Direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
+    let routes = [("direct", path.direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
     let mut runs: BTreeMap<(&str, &str), Vec<BulkResult>> = BTreeMap::new();
     for rep in 0..args.repeat.max(1) {
         for direction in [Direction::Download, Direction::Upload] {
@@ -50,7 +50,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         path.kind,
         serde_json::json!({
             "streams": args.streams, "duration_s": args.duration, "repeat": args.repeat,
-            "frontend": path.frontends.first().map(|f| f.1.to_string()),
+            "frontend": path.frontends.first().map(|f| f.1.to_string()), "link_delay_ms": args.target.link_delay_ms,
         }),
     );
     path.shutdown().await;
