@@ -21,6 +21,10 @@ use crate::target::DialTarget;
 pub const TENANT_HEADER: &str = "tether-tenant";
 /// Header naming the one routing strategy the peer may use (no fallback, no further hop).
 pub const STRATEGY_HEADER: &str = "tether-strategy";
+/// On a failed forwarded dial: the failure's metric label (`tunnel_error`, `no_agent`, ...), so the
+/// forwarding replica can tell a broken session on the peer (try elsewhere) from the agent's own
+/// refusal (final), which share the status 502.
+pub const DIAL_ERROR_HEADER: &str = "tether-dial-error";
 
 /// Largest inventory accepted from a peer.
 const MAX_INVENTORY: usize = 32 * 1024 * 1024;
@@ -108,18 +112,57 @@ impl PeerClient {
             if status == 200 {
                 return Ok(stream);
             }
+            let label = text.lines().find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.trim().eq_ignore_ascii_case(DIAL_ERROR_HEADER).then(|| value.trim().to_owned())
+            });
             let mut body = Vec::new();
             let _ = tokio::time::timeout(Duration::from_secs(2), (&mut stream).take(4096).read_to_end(&mut body)).await;
             let message = String::from_utf8_lossy(&body).trim().to_owned();
-            Err(match status {
-                403 => DialError::Refused { code: ErrorCode::NotAllowed, message, agent: "peer".into() },
-                502 => DialError::Refused { code: ErrorCode::DialFailed, message, agent: "peer".into() },
-                504 => DialError::Timeout(timeout),
-                429 => DialError::TooManyPending(0),
-                503 => DialError::NoAgent(target.to_string()),
-                other => DialError::Tunnel(format!("peer answered {other}: {message}")),
-            })
+            Err(answer_error(status, label.as_deref(), message, target, timeout))
         };
         tokio::time::timeout(timeout + PEER_TIMEOUT, attempt).await.map_err(|_| DialError::Timeout(timeout))?
+    }
+}
+
+/// The error a peer's refusal stands for, from its status and `Tether-Dial-Error` label.
+fn answer_error(
+    status: u16,
+    label: Option<&str>,
+    message: String,
+    target: &DialTarget,
+    timeout: Duration,
+) -> DialError {
+    match (status, label) {
+        // The peer's session to the agent broke before the agent answered: nothing reached the
+        // target, so another replica may serve the dial.
+        (_, Some("tunnel_error")) => DialError::Tunnel(format!("peer: {message}")),
+        (403, _) => DialError::Refused { code: ErrorCode::NotAllowed, message, agent: "peer".into() },
+        (502, _) => DialError::Refused { code: ErrorCode::DialFailed, message, agent: "peer".into() },
+        (504, _) => DialError::Timeout(timeout),
+        (429, _) => DialError::TooManyPending(0),
+        (503, _) => DialError::NoAgent(target.to_string()),
+        (other, _) => DialError::Tunnel(format!("peer answered {other}: {message}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_session_on_the_peer_is_retryable_and_a_refusal_is_final() {
+        let target = DialTarget::parse("10.0.0.5:10250").unwrap();
+        let timeout = Duration::from_secs(5);
+        let err = |status, label| answer_error(status, label, "why".into(), &target, timeout);
+        // Both 502: only the label tells them apart.
+        assert!(matches!(err(502, Some("tunnel_error")), DialError::Tunnel(_)));
+        assert!(matches!(err(502, Some("dial_failed")), DialError::Refused { code: ErrorCode::DialFailed, .. }));
+        // An older peer without the header: the status alone decides, as before.
+        assert!(matches!(err(502, None), DialError::Refused { .. }));
+        assert!(matches!(err(503, Some("no_agent")), DialError::NoAgent(_)));
+        assert!(matches!(err(403, None), DialError::Refused { code: ErrorCode::NotAllowed, .. }));
+        assert!(matches!(err(504, None), DialError::Timeout(_)));
+        assert!(matches!(err(418, None), DialError::Tunnel(_)));
     }
 }

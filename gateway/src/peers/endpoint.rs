@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::Inventory;
-use super::client::{STRATEGY_HEADER, TENANT_HEADER};
+use super::client::{DIAL_ERROR_HEADER, STRATEGY_HEADER, TENANT_HEADER};
 use crate::config::RoutingStrategy;
 use crate::dial::dial_local;
 use crate::metrics::PEER_DIALS;
@@ -98,7 +98,12 @@ async fn forwarded_dial(req: Request<Incoming>, shared: Arc<Shared>) -> HttpResp
     metrics::counter!(PEER_DIALS, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
     let mut dialed = match dialed {
         Ok(dialed) => dialed,
-        Err(e) => return text(StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_GATEWAY), &e.to_string()),
+        Err(e) => {
+            let mut response =
+                text(StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_GATEWAY), &e.to_string());
+            response.headers_mut().insert(DIAL_ERROR_HEADER, http::HeaderValue::from_static(e.label()));
+            return response;
+        }
     };
     let hard_stop = shared.hard_stop.clone();
     shared.conn_tasks.spawn(async move {

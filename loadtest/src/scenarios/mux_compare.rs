@@ -64,12 +64,17 @@ enum Stack {
     TokioYamux(u32),
 }
 
+/// The tunnel's own frame size: yamux with it is labelled plainly "yamux".
+fn tunnel_split_kib() -> usize {
+    MuxSettings::default().split_send_size / 1024
+}
+
 impl Stack {
     fn key(self) -> String {
         match self {
             Self::Direct => "direct".into(),
             Self::WsOnly => "wss_no_mux".into(),
-            Self::Yamux(256) => "yamux".into(),
+            Self::Yamux(kib) if kib == tunnel_split_kib() => "yamux".into(),
             Self::Yamux(kib) => format!("yamux_split_{kib}k"),
             Self::TokioYamux(kib) => format!("tokio_yamux_{kib}k"),
         }
@@ -79,7 +84,7 @@ impl Stack {
         match self {
             Self::Direct => "direct TCP".into(),
             Self::WsOnly => "no mux".into(),
-            Self::Yamux(256) => "yamux (tether)".into(),
+            Self::Yamux(kib) if kib == tunnel_split_kib() => "yamux (tether)".into(),
             Self::Yamux(kib) => format!("yamux, {kib} KiB frames"),
             Self::TokioYamux(kib) => format!("tokio-yamux {kib} KiB window"),
         }
