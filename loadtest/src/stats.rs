@@ -132,3 +132,35 @@ mod tests {
         assert_eq!(slope(&[(1.0, 1.0)]), 0.0);
     }
 }
+
+/// CPU time (user + system, all threads) this process has used so far, in seconds; `None` where
+/// `/proc/self/stat` cannot be read. With the in-process deployment this covers the load
+/// generator, the servers, the gateway and the agent: CPU per byte or per request is then the
+/// whole tunnel's cost, a steadier figure than a rate on a shared machine.
+pub fn process_cpu_seconds() -> Option<f64> {
+    /// `/proc` reports clock ticks of USER_HZ, which Linux fixes at 100 for user space.
+    const TICKS_PER_SECOND: f64 = 100.0;
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; count fields after its closing parenthesis.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    Some((user + system) / TICKS_PER_SECOND)
+}
+
+/// Measures the CPU this process uses between [`CpuMeter::start`] and [`CpuMeter::seconds`].
+#[derive(Debug, Clone, Copy)]
+pub struct CpuMeter(Option<f64>);
+
+impl CpuMeter {
+    /// Starts measuring now.
+    pub fn start() -> Self {
+        Self(process_cpu_seconds())
+    }
+
+    /// CPU seconds used since the start, if the platform tells.
+    pub fn seconds(&self) -> Option<f64> {
+        Some(process_cpu_seconds()? - self.0?)
+    }
+}

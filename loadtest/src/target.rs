@@ -247,6 +247,34 @@ impl io::Write for StdConn {
     }
 }
 
+/// A chain of plain TCP relays in front of `target`: a connection to the returned address crosses
+/// `hops` user-space relays (each copies both ways with 64 KiB buffers) before it reaches
+/// `target`. With two hops it has the tunnel's topology - client -> frontend, gateway -> agent,
+/// agent -> server: three TCP connections and two processes copying - without TLS, WebSocket or
+/// multiplexer, so it shows what the hops alone cost on the same machine. The tasks end when the
+/// handles are aborted.
+pub async fn relay_chain(target: SocketAddr, hops: usize) -> io::Result<(SocketAddr, Vec<JoinHandle<()>>)> {
+    const BUFFER: usize = 64 * 1024;
+    let mut upstream = target;
+    let mut tasks = Vec::with_capacity(hops);
+    for _ in 0..hops {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let next = upstream;
+        upstream = listener.local_addr()?;
+        tasks.push(tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let Ok(mut server) = TcpStream::connect(next).await else { return };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+                });
+            }
+        }));
+    }
+    Ok((upstream, tasks))
+}
+
 /// The node-side servers and the routes to them.
 pub struct DataPath {
     /// `local` or `external`.
@@ -331,8 +359,12 @@ impl DataPath {
 
     /// The direct (baseline) route to `target`: across the delayed link with `--link-delay-ms`.
     pub fn direct(&self, target: SocketAddr) -> Route {
-        let via = self.links.iter().find(|(server, _)| *server == target).map_or(target, |(_, link)| link.addr());
-        Route::Direct(via)
+        Route::Direct(self.direct_addr(target))
+    }
+
+    /// Where the direct route to `target` connects: the server, or its delayed link.
+    pub fn direct_addr(&self, target: SocketAddr) -> SocketAddr {
+        self.links.iter().find(|(server, _)| *server == target).map_or(target, |(_, link)| link.addr())
     }
 
     /// The main tunnel route to `target`.

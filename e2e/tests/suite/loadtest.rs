@@ -81,12 +81,23 @@ fn series_named<'a>(result: &'a serde_json::Value, part: &str) -> &'a serde_json
 #[test]
 fn throughput_smoke() {
     // Over an emulated 4 ms round trip, so the delayed-link path runs too.
-    let (result, dir, stdout) = run(&["throughput", "--duration", "0.5", "--repeat", "1", "--link-delay-ms", "2"]);
+    // With the relay baseline: two plain TCP relays in front of the same (delayed) server.
+    let (result, dir, stdout) =
+        run(&["throughput", "--duration", "0.5", "--repeat", "1", "--link-delay-ms", "2", "--relay-baseline"]);
     for key in ["download_mib_s", "upload_mib_s"] {
         positive(&result, "baseline", key);
         positive(&result, "tunnel", key);
         positive(&result, "ratios", key);
     }
+    for direction in ["download", "upload"] {
+        for key in
+            ["relay_mib_s", "relay_over_direct", "tunnel_over_relay", "tunnel_cpu_s_per_gib", "direct_cpu_s_per_gib"]
+        {
+            positive(&result, "figures", &format!("{direction}_{key}"));
+        }
+    }
+    assert!(series_named(&result, "relay download")["points"].is_array());
+    assert!(stdout.contains("tunnel/relay"), "{stdout}");
     assert_eq!(result["target"], "local");
     assert_eq!(result["parameters"]["link_delay_ms"], 2);
     assert!(series_named(&result, "tunnel download")["points"].is_array());
@@ -96,7 +107,11 @@ fn throughput_smoke() {
 
 #[test]
 fn rps_smoke() {
-    let (result, dir, _) = run(&["rps", "--connections", "4", "--duration", "0.5", "--repeat", "1"]);
+    let (result, dir, _) =
+        run(&["rps", "--connections", "4", "--duration", "0.5", "--repeat", "1", "--relay-baseline"]);
+    for key in ["relay_requests_per_s", "relay_over_direct", "tunnel_over_relay", "tunnel_cpu_us_per_request"] {
+        positive(&result, "figures", key);
+    }
     positive(&result, "baseline", "requests_per_s");
     positive(&result, "tunnel", "requests_per_s");
     positive(&result, "ratios", "requests_per_s");
@@ -119,7 +134,10 @@ fn latency_smoke() {
 
 #[test]
 fn dial_rate_smoke() {
-    let (result, dir, _) = run(&["dial-rate", "--duration", "0.5", "--repeat", "1"]);
+    let (result, dir, _) = run(&["dial-rate", "--duration", "0.5", "--repeat", "1", "--relay-baseline"]);
+    for key in ["relay_dials_per_s", "relay_over_direct", "tunnel_cpu_us_per_dial", "direct_cpu_us_per_dial"] {
+        positive(&result, "figures", key);
+    }
     positive(&result, "baseline", "dials_per_s");
     positive(&result, "tunnel", "dials_per_s");
     positive(&result, "ratios", "dials_per_s");

@@ -12,6 +12,9 @@ use crate::stats::{distribution, median, median_index, percentiles, ratio};
 use crate::svg::{self, Labels, Line};
 use crate::target::{DataPath, DataTarget, Route};
 
+/// Label of the relay baseline.
+const RELAY: &str = "relay (1 hop, no tunnel)";
+
 /// Options of `dial-rate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DialRateArgs {
@@ -24,6 +27,11 @@ pub struct DialRateArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Also measure dials through one plain TCP relay: the two TCP connections a tunnelled dial
+    /// sets up (client -> frontend, agent -> server) without the tunnel session in between, a
+    /// floor for what the new connections alone cost on the same machine.
+    #[arg(long)]
+    pub relay_baseline: bool,
     /// Where to send traffic.
     #[command(flatten)]
     pub target: DataTarget,
@@ -36,6 +44,12 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
     let mut routes = vec![("direct".to_owned(), path.direct(path.echo))];
     for (label, frontend) in &path.frontends {
         routes.push((label.clone(), Route::Connect { frontend: frontend.clone(), target: path.echo }));
+    }
+    let mut relays = Vec::new();
+    if args.relay_baseline {
+        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.echo), 1).await?;
+        relays = tasks;
+        routes.push((RELAY.to_owned(), Route::Direct(relay)));
     }
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
     let mut runs: Vec<Vec<DialResult>> = routes.iter().map(|_| Vec::new()).collect();
@@ -55,9 +69,11 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         }),
     );
     path.shutdown().await;
+    relays.iter().for_each(tokio::task::JoinHandle::abort);
     let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
     let direct_rate = median(&rates[0]);
-    let mut table = Table::new(&["path", "dials/s", "vs direct", "p50 us", "p90 us", "p99 us", "errors"]);
+    let mut table =
+        Table::new(&["path", "dials/s", "vs direct", "p50 us", "p90 us", "p99 us", "errors", "CPU us/dial"]);
     let mut lines = Vec::new();
     for (i, (via, _)) in routes.iter().enumerate() {
         let representative = &runs[i][median_index(&rates[i])];
@@ -69,7 +85,17 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         };
         let rate = median(&rates[i]);
         let errors: u64 = runs[i].iter().map(|r| r.errors).sum();
-        if i == 0 {
+        let cpu: Vec<f64> = runs[i].iter().filter_map(|r| r.cpu_us_per_dial).collect();
+        let cpu = (!cpu.is_empty()).then(|| median(&cpu));
+        let name = via.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).collect::<Vec<_>>().join("_");
+        if let Some(cpu) = cpu {
+            report.figures.insert(format!("{name}_cpu_us_per_dial"), cpu);
+        }
+        if via == RELAY {
+            report.figures.insert("relay_dials_per_s".into(), rate);
+            report.figures.insert("relay_over_direct".into(), ratio(rate, direct_rate));
+            report.figures.insert("relay_p50_us".into(), p[0].1);
+        } else if i == 0 {
             report.baseline.insert("dials_per_s".into(), rate);
             for (name, v) in &p {
                 report.baseline.insert(format!("{name}_us"), *v);
@@ -87,7 +113,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
                 report.tunnel.insert(format!("{key_prefix}_{name}_us"), *v);
             }
         }
-        report.figures.insert(format!("{}_errors", via.replace([' ', '(', ')'], "_")), errors as f64);
+        report.figures.insert(format!("{name}_errors"), errors as f64);
         report.series.push(Series::per_second(format!("{via} dials"), "dials/s", &representative.samples));
         let points = distribution(&representative.histogram);
         report.series.push(crate::report::Series {
@@ -105,6 +131,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
             num(p[1].1),
             num(p[2].1),
             errors.to_string(),
+            cpu.map_or_else(|| "-".into(), |v| format!("{v:.1}")),
         ]);
     }
     report.machine.load_average_end = crate::report::load_average();

@@ -44,6 +44,8 @@ pub struct BulkResult {
     /// half-close (rathole) cannot answer after the client's end-of-stream; then the figure is
     /// what the client's socket accepted.
     pub confirmed: bool,
+    /// CPU seconds this process used per GiB moved (see [`stats::process_cpu_seconds`]).
+    pub cpu_s_per_gib: Option<f64>,
 }
 
 fn rate_phase(
@@ -78,6 +80,7 @@ pub async fn bulk(
     let counter = stats::counter();
     let phase = rate_phase(progress, label, duration, &counter, MIB, "MiB/s");
     let sampler = Sampler::start(counter.clone(), Duration::from_secs(1));
+    let cpu = stats::CpuMeter::start();
     let started = tokio::time::Instant::now();
     let deadline = started + duration;
     let mut tasks = Vec::new();
@@ -131,12 +134,13 @@ pub async fn bulk(
         end = end.max(finished);
         confirmed &= ok;
     }
+    let cpu_s_per_gib = cpu.seconds().filter(|_| bytes > 0).map(|s| s * 1024.0 * MIB / bytes as f64);
     let samples = sampler.finish().await.into_iter().map(|v| v / MIB).collect();
     phase.done().await;
     let secs = end.duration_since(started).as_secs_f64().max(1e-6);
     // Let the far ends notice the closed connections before the next phase starts.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok(BulkResult { mib_s: bytes as f64 / MIB / secs, samples, confirmed })
+    Ok(BulkResult { mib_s: bytes as f64 / MIB / secs, samples, confirmed, cpu_s_per_gib })
 }
 
 /// One dial-rate measurement.
@@ -149,6 +153,8 @@ pub struct DialResult {
     pub samples: Vec<f64>,
     /// Dials that failed.
     pub errors: u64,
+    /// CPU this process used per completed dial, microseconds.
+    pub cpu_us_per_dial: Option<f64>,
 }
 
 /// Opens connections along `route` one after another (per worker) for `duration`: open, send a
@@ -163,6 +169,7 @@ pub async fn dials(
     let counter = stats::counter();
     let phase = rate_phase(progress, label, duration, &counter, 1.0, "dials/s");
     let sampler = Sampler::start(counter.clone(), Duration::from_secs(1));
+    let cpu = stats::CpuMeter::start();
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + duration;
     let mut tasks = Vec::new();
@@ -204,9 +211,10 @@ pub async fn dials(
         errors += e;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu_us_per_dial = cpu.seconds().filter(|_| !histogram.is_empty()).map(|s| s * 1e6 / histogram.len() as f64);
     let samples = sampler.finish().await;
     phase.done().await;
     anyhow::ensure!(!histogram.is_empty(), "{label}: no dial succeeded ({errors} failed)");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok(DialResult { per_second: histogram.len() as f64 / secs, histogram, samples, errors })
+    Ok(DialResult { per_second: histogram.len() as f64 / secs, histogram, samples, errors, cpu_us_per_dial })
 }

@@ -29,6 +29,10 @@ pub struct RpsArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Also measure a chain of two plain TCP relays (the tunnel's three TCP connections without
+    /// TLS, WebSocket or multiplexer): how much of the gap to direct TCP the hops alone explain.
+    #[arg(long)]
+    pub relay_baseline: bool,
     /// Where to send traffic.
     #[command(flatten)]
     pub target: DataTarget,
@@ -38,6 +42,8 @@ struct RpsRun {
     per_second: f64,
     samples: Vec<f64>,
     histogram: Histogram<u64>,
+    /// CPU this process used per request, microseconds (see [`stats::process_cpu_seconds`]).
+    cpu_us_per_request: Option<f64>,
 }
 
 async fn measure(route: &Route, args: &RpsArgs, progress: &Progress, label: &str) -> anyhow::Result<RpsRun> {
@@ -53,6 +59,7 @@ async fn measure(route: &Route, args: &RpsArgs, progress: &Progress, label: &str
         format!("{:.0} req/s", live.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64().max(1e-3))
     });
     let sampler = Sampler::start(counter.clone(), Duration::from_secs(1));
+    let cpu = stats::CpuMeter::start();
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + duration;
     let size = args.size.max(1);
@@ -85,18 +92,26 @@ async fn measure(route: &Route, args: &RpsArgs, progress: &Progress, label: &str
         histogram.add(&task.await??).map_err(|e| anyhow::anyhow!("histogram: {e}"))?;
     }
     let secs = started.elapsed().as_secs_f64();
+    let requests = histogram.len();
+    let cpu_us_per_request = cpu.seconds().filter(|_| requests > 0).map(|s| s * 1e6 / requests as f64);
     let samples = sampler.finish().await;
     phase.done().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    Ok(RpsRun { per_second: histogram.len() as f64 / secs, samples, histogram })
+    Ok(RpsRun { per_second: requests as f64 / secs, samples, histogram, cpu_us_per_request })
 }
 
 /// Runs the scenario.
 pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
-    let routes = [("direct", path.direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
-    let mut runs: [Vec<RpsRun>; 2] = [Vec::new(), Vec::new()];
+    let mut routes = vec![("direct", path.direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
+    let mut relays = Vec::new();
+    if args.relay_baseline {
+        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.echo), 2).await?;
+        relays = tasks;
+        routes.push(("relay", Route::Direct(relay)));
+    }
+    let mut runs: Vec<Vec<RpsRun>> = routes.iter().map(|_| Vec::new()).collect();
     for rep in 0..args.repeat.max(1) {
         for (i, (via, route)) in routes.iter().enumerate() {
             let label = format!("{via} {} conns #{}", args.connections, rep + 1);
@@ -112,19 +127,25 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
         }),
     );
     path.shutdown().await;
+    relays.iter().for_each(tokio::task::JoinHandle::abort);
     let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
     report.compared("requests_per_s", median(&rates[0]), median(&rates[1]));
-    let mut table = Table::new(&["path", "req/s", "p50 us", "p99 us", "runs"]);
+    let mut table = Table::new(&["path", "req/s", "p50 us", "p99 us", "runs", "CPU us/req"]);
     let mut lines = Vec::new();
-    for (i, via) in ["direct", "tunnel"].iter().enumerate() {
+    for (i, (via, _)) in routes.iter().enumerate() {
         let representative = &runs[i][median_index(&rates[i])];
         for (name, value) in percentiles(&representative.histogram) {
             let key = format!("{name}_us");
-            if i == 0 {
-                report.baseline.insert(key, value);
-            } else {
-                report.tunnel.insert(key, value);
-            }
+            match i {
+                0 => report.baseline.insert(key, value),
+                1 => report.tunnel.insert(key, value),
+                _ => report.figures.insert(format!("{via}_{key}"), value),
+            };
+        }
+        let cpu: Vec<f64> = runs[i].iter().filter_map(|r| r.cpu_us_per_request).collect();
+        let cpu = (!cpu.is_empty()).then(|| median(&cpu));
+        if let Some(cpu) = cpu {
+            report.figures.insert(format!("{via}_cpu_us_per_request"), cpu);
         }
         for (r, v) in rates[i].iter().enumerate() {
             report.figures.insert(format!("{via}_run{}_requests_per_s", r + 1), *v);
@@ -133,7 +154,7 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
         lines.push(Line {
             name: format!("{via} ({} connections)", args.connections),
             points: representative.samples.iter().enumerate().map(|(s, v)| ((s + 1) as f64, *v)).collect(),
-            dashed: i == 0,
+            dashed: i != 1,
         });
         let p = percentiles(&representative.histogram);
         table.row(vec![
@@ -142,15 +163,18 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
             num(p[0].1),
             num(p[2].1),
             rates[i].iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / "),
+            cpu.map_or_else(|| "-".into(), |v| format!("{v:.1}")),
         ]);
     }
-    table.row(vec![
-        "tunnel/direct".into(),
-        pct(report.ratios.get("requests_per_s").copied().unwrap_or(0.0)),
-        String::new(),
-        String::new(),
-        String::new(),
-    ]);
+    table.row(vec!["tunnel/direct".into(), pct(report.ratios.get("requests_per_s").copied().unwrap_or(0.0))]);
+    if let Some(relay) = rates.get(2) {
+        let ratio = crate::stats::ratio;
+        report.figures.insert("relay_requests_per_s".into(), median(relay));
+        report.figures.insert("relay_over_direct".into(), ratio(median(relay), median(&rates[0])));
+        report.figures.insert("tunnel_over_relay".into(), ratio(median(&rates[1]), median(relay)));
+        table.row(vec!["relay/direct".into(), pct(ratio(median(relay), median(&rates[0])))]);
+        table.row(vec!["tunnel/relay".into(), pct(ratio(median(&rates[1]), median(relay)))]);
+    }
     report.machine.load_average_end = crate::report::load_average();
     report.elapsed_s = started.elapsed().as_secs_f64();
     let chart = svg::line_chart(

@@ -11,6 +11,7 @@ use crate::scenarios::measure::{self, BulkResult, Direction};
 use crate::stats::{median, median_index};
 use crate::svg::{self, Labels, Line};
 use crate::target::{DataPath, DataTarget};
+use tokio::task::JoinHandle;
 
 /// Options of `throughput`.
 #[derive(Debug, Clone, clap::Args)]
@@ -24,6 +25,10 @@ pub struct ThroughputArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
+    /// Also measure a chain of two plain TCP relays (the tunnel's three TCP connections without
+    /// TLS, WebSocket or multiplexer): how much of the gap to direct TCP the hops alone explain.
+    #[arg(long)]
+    pub relay_baseline: bool,
     /// Where to send traffic.
     #[command(flatten)]
     pub target: DataTarget,
@@ -34,7 +39,13 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
     let started = Instant::now();
     let path = DataPath::start(&args.target).await?;
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
-    let routes = [("direct", path.direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
+    let mut routes = vec![("direct", path.direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
+    let mut relays = Vec::new();
+    if args.relay_baseline {
+        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.bulk), 2).await?;
+        relays = tasks;
+        routes.push(("relay", crate::target::Route::Direct(relay)));
+    }
     let mut runs: BTreeMap<(&str, &str), Vec<BulkResult>> = BTreeMap::new();
     for rep in 0..args.repeat.max(1) {
         for direction in [Direction::Download, Direction::Upload] {
@@ -54,7 +65,17 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         }),
     );
     path.shutdown().await;
-    let mut table = Table::new(&["direction", "direct MiB/s", "tunnel MiB/s", "tunnel/direct", "runs (tunnel)"]);
+    relays.iter().for_each(JoinHandle::abort);
+    let mut table = Table::new(&[
+        "direction",
+        "direct MiB/s",
+        "tunnel MiB/s",
+        "tunnel/direct",
+        "runs (tunnel)",
+        "CPU s/GiB direct",
+        "tunnel",
+    ]);
+    let mut relay_table = Table::new(&["direction", "relay MiB/s", "relay/direct", "tunnel/relay", "CPU s/GiB relay"]);
     let mut lines = Vec::new();
     for direction in ["download", "upload"] {
         let figures = |via: &str| runs.get(&(via, direction)).map(|r| r.iter().map(|x| x.mib_s).collect::<Vec<_>>());
@@ -62,7 +83,37 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         let tunnel = figures("tunnel").unwrap_or_default();
         let key = format!("{direction}_mib_s");
         report.compared(&key, median(&direct), median(&tunnel));
-        for (via, values) in [("direct", &direct), ("tunnel", &tunnel)] {
+        // CPU per byte: the whole process (client, servers and, in-process, gateway and agent).
+        let cpu = |via: &str| {
+            let values: Vec<f64> =
+                runs.get(&(via, direction)).into_iter().flatten().filter_map(|r| r.cpu_s_per_gib).collect();
+            (!values.is_empty()).then(|| median(&values))
+        };
+        let (cpu_direct, cpu_tunnel) = (cpu("direct"), cpu("tunnel"));
+        if let (Some(d), Some(t)) = (cpu_direct, cpu_tunnel) {
+            report.figures.insert(format!("{direction}_direct_cpu_s_per_gib"), d);
+            report.figures.insert(format!("{direction}_tunnel_cpu_s_per_gib"), t);
+            report.figures.insert(format!("{direction}_cpu_cost_tunnel_over_direct"), crate::stats::ratio(t, d));
+        }
+        let relay = figures("relay").unwrap_or_default();
+        if !relay.is_empty() {
+            let (relay_mib_s, cpu_relay) = (median(&relay), cpu("relay"));
+            let ratio = crate::stats::ratio;
+            report.figures.insert(format!("{direction}_relay_mib_s"), relay_mib_s);
+            report.figures.insert(format!("{direction}_relay_over_direct"), ratio(relay_mib_s, median(&direct)));
+            report.figures.insert(format!("{direction}_tunnel_over_relay"), ratio(median(&tunnel), relay_mib_s));
+            if let Some(c) = cpu_relay {
+                report.figures.insert(format!("{direction}_relay_cpu_s_per_gib"), c);
+            }
+            relay_table.row(vec![
+                direction.into(),
+                num(relay_mib_s),
+                pct(ratio(relay_mib_s, median(&direct))),
+                pct(ratio(median(&tunnel), relay_mib_s)),
+                cpu_relay.map_or_else(|| "-".into(), |v| format!("{v:.2}")),
+            ]);
+        }
+        for (via, values) in [("direct", &direct), ("tunnel", &tunnel), ("relay", &relay)] {
             for (i, v) in values.iter().enumerate() {
                 report.figures.insert(format!("{direction}_{via}_run{}_mib_s", i + 1), *v);
             }
@@ -73,7 +124,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
                 lines.push(Line {
                     name,
                     points: representative.samples.iter().enumerate().map(|(i, v)| ((i + 1) as f64, *v)).collect(),
-                    dashed: via == "direct",
+                    dashed: via != "tunnel",
                 });
             }
         }
@@ -83,6 +134,8 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
             num(median(&tunnel)),
             pct(report.ratios.get(&key).copied().unwrap_or(0.0)),
             tunnel.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / "),
+            cpu_direct.map_or_else(|| "-".into(), |v| format!("{v:.2}")),
+            cpu_tunnel.map_or_else(|| "-".into(), |v| format!("{v:.2}")),
         ]);
     }
     report.machine.load_average_end = crate::report::load_average();
@@ -95,5 +148,10 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         },
         &lines,
     );
-    Ok(Outcome { report, table: table.render(), charts: vec![("throughput.svg".into(), chart)] })
+    let mut rendered = table.render();
+    if args.relay_baseline {
+        rendered.push_str("\n  two plain TCP relays (the tunnel's hops without TLS, WebSocket or multiplexer):\n\n");
+        rendered.push_str(&relay_table.render());
+    }
+    Ok(Outcome { report, table: rendered, charts: vec![("throughput.svg".into(), chart)] })
 }
