@@ -156,19 +156,23 @@ where
         Poll::Ready(Ok(()))
     }
 
+    /// Sends the buffered bytes as one message and flushes the transport.
+    fn poll_send_and_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_send_buffered(cx))?;
+        ready!(Pin::new(&mut self.ws).poll_flush(cx)).map_err(ws_to_io)?;
+        self.needs_flush = false;
+        self.flush_deferred = false;
+        Poll::Ready(Ok(()))
+    }
+
     /// Sends what a deferred flush left in the buffer; a full transport is retried on a later
     /// read (it must not stop reads, or two peers could wait on each other).
     fn poll_deferred_flush(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         if !self.flush_deferred {
             return Ok(());
         }
-        if let Poll::Ready(result) = self.poll_send_buffered(cx) {
+        if let Poll::Ready(result) = self.poll_send_and_flush(cx) {
             result?;
-            if let Poll::Ready(result) = Pin::new(&mut self.ws).poll_flush(cx) {
-                result.map_err(ws_to_io)?;
-                self.needs_flush = false;
-                self.flush_deferred = false;
-            }
         }
         Ok(())
     }
@@ -270,10 +274,7 @@ where
             this.flush_deferred = true;
             return Poll::Ready(Ok(()));
         }
-        ready!(this.poll_send_buffered(cx))?;
-        ready!(Pin::new(&mut this.ws).poll_flush(cx)).map_err(ws_to_io)?;
-        this.needs_flush = false;
-        Poll::Ready(Ok(()))
+        this.poll_send_and_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
