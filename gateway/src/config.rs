@@ -370,6 +370,20 @@ pub struct FrontendConfig {
     pub client_names: Vec<String>,
 }
 
+impl FrontendConfig {
+    /// The socket file's permission bits from `uds_mode`: `None` when unset, an error when it is
+    /// not an octal mode of at most 0777.
+    pub fn uds_permissions(&self) -> Option<Result<u32, String>> {
+        let mode = self.uds_mode.as_deref()?;
+        Some(
+            u32::from_str_radix(mode.trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|bits| *bits <= 0o777)
+                .ok_or_else(|| format!("{mode:?} is not an octal mode such as \"0660\"")),
+        )
+    }
+}
+
 /// A TCP CONNECT frontend.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -734,11 +748,8 @@ impl GatewayConfig {
                     ));
                 }
             }
-            if let Some(mode) = &frontend.uds_mode
-                && u32::from_str_radix(mode.trim_start_matches("0o"), 8).map_or(true, |m| m > 0o777)
-            {
-                problems
-                    .push(problem(key("frontend.uds_mode"), format!("{mode:?} is not an octal mode such as \"0660\"")));
+            if let Some(Err(reason)) = frontend.uds_permissions() {
+                problems.push(problem(key("frontend.uds_mode"), reason));
             }
             if let Some(path) = &frontend.uds {
                 if !sockets.insert(path.clone()) {

@@ -52,9 +52,9 @@ pub async fn bind(tenant: &Tenant, certs: &CertRegistry) -> anyhow::Result<Vec<F
     let mut listeners = Vec::new();
     if let Some(path) = &config.frontend.uds {
         let listener = crate::server::bind_unix(path).with_context(|| key("uds"))?;
-        if let Some(mode) = config.frontend.uds_mode.as_deref() {
+        if let Some(bits) = config.frontend.uds_permissions() {
             use std::os::unix::fs::PermissionsExt;
-            let bits = u32::from_str_radix(mode.trim_start_matches("0o"), 8).with_context(|| key("uds_mode"))?;
+            let bits = bits.map_err(anyhow::Error::msg).with_context(|| key("uds_mode"))?;
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits)).with_context(|| key("uds_mode"))?;
         }
         listeners.push(FrontendListener::Unix(listener, path.clone()));
