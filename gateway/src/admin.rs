@@ -30,7 +30,7 @@ pub fn router(shared: Arc<Shared>, metrics: Option<PrometheusHandle>) -> Router 
 /// Ready while every listener is up and the gateway is not draining; the body says why not.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     let shared = &state.shared;
-    if shared.drain_started.is_cancelled() || shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
+    if shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
     }
     if !shared.listeners_up.load(std::sync::atomic::Ordering::Relaxed) {
@@ -50,7 +50,7 @@ async fn tenant_ready(
     axum::extract::Path(name): axum::extract::Path<String>,
 ) -> (StatusCode, String) {
     let shared = &state.shared;
-    if shared.drain_started.is_cancelled() || shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
+    if shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
     }
     let Some(tenant) = shared.tenants.load().by_name(&name) else {

@@ -61,7 +61,8 @@ pub struct Shared {
     pub mux: MuxSettings,
     /// Set once every listener is serving.
     pub listeners_up: AtomicBool,
-    /// Set at SIGTERM, before the drain starts: `/readyz` fails so balancers move away.
+    /// Set at SIGTERM, before the drain starts (and so also throughout it): `/readyz` fails so
+    /// balancers move away.
     pub unready: AtomicBool,
     /// Every certificate loaded from files, re-read on reload.
     pub certs: CertRegistry,
