@@ -48,15 +48,7 @@ pub fn line_chart(labels: &Labels<'_>, lines: &[Line]) -> String {
         polyline(&mut svg, line, COLORS[i % COLORS.len()], &x_axis, &y_axis);
         // Few samples: mark them, so a one-point series is still visible.
         if line.points.len() <= 30 {
-            for p in &line.points {
-                let _ = writeln!(
-                    svg,
-                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
-                    x_axis.px(p.0),
-                    y_axis.py(p.1),
-                    COLORS[i % COLORS.len()]
-                );
-            }
+            markers(&mut svg, line, COLORS[i % COLORS.len()], &x_axis, &y_axis);
         }
     }
     legend(&mut svg, lines.iter().enumerate().map(|(i, l)| (l.name.as_str(), COLORS[i % COLORS.len()], l.dashed)));
@@ -104,15 +96,7 @@ pub fn percentile_chart(labels: &Labels<'_>, lines: &[Line]) -> String {
     grid(&mut svg, &x_axis, &y_axis, &x_ticks, &y_ticks, &x_label, &y_label);
     for (i, line) in transformed.iter().enumerate() {
         polyline(&mut svg, line, COLORS[i % COLORS.len()], &x_axis, &y_axis);
-        for p in &line.points {
-            let _ = writeln!(
-                svg,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
-                x_axis.px(p.0),
-                y_axis.py(p.1),
-                COLORS[i % COLORS.len()]
-            );
-        }
+        markers(&mut svg, line, COLORS[i % COLORS.len()], &x_axis, &y_axis);
     }
     legend(&mut svg, lines.iter().enumerate().map(|(i, l)| (l.name.as_str(), COLORS[i % COLORS.len()], l.dashed)));
     svg.push_str("</svg>\n");
@@ -272,6 +256,13 @@ fn polyline(svg: &mut String, line: &Line, color: &str, x_axis: &Axis, y_axis: &
         r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
         points.join(" ")
     );
+}
+
+/// A dot on every point of `line`.
+fn markers(svg: &mut String, line: &Line, color: &str, x_axis: &Axis, y_axis: &Axis) {
+    for p in &line.points {
+        let _ = writeln!(svg, r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#, x_axis.px(p.0), y_axis.py(p.1));
+    }
 }
 
 /// One row (or two) of legend entries between the title and the plot, so it never hides data.
