@@ -9,6 +9,7 @@
 //! sent. (Kernel `netem` would be the usual tool; it needs the `sch_netem` module, which CI
 //! machines and containers often lack.)
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,17 +39,10 @@ impl DelayedLink {
     /// Relays connections accepted on `listener` to `upstream`, delaying each direction by `delay`.
     pub fn spawn(listener: TcpListener, upstream: SocketAddr, delay: Duration) -> io::Result<Self> {
         let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let Ok(server) = TcpStream::connect(upstream).await else { return };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (client_read, client_write) = client.into_split();
-                    let (server_read, server_write) = server.into_split();
-                    tokio::join!(pipe(client_read, server_write, delay), pipe(server_read, client_write, delay));
-                });
-            }
+        let task = spawn_relay(listener, upstream, move |client, server| async move {
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            tokio::join!(pipe(client_read, server_write, delay), pipe(server_read, client_write, delay));
         });
         Ok(Self { addr, task })
     }
@@ -63,6 +57,27 @@ impl Drop for DelayedLink {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Accepts connections on `listener`; for each, connects to `upstream` (both without Nagle's
+/// delay) and hands the pair to `relay`. A connection whose upstream cannot be reached is closed.
+/// The accept loop runs until the returned task is aborted.
+pub fn spawn_relay<F, Fut>(listener: TcpListener, upstream: SocketAddr, relay: F) -> JoinHandle<()>
+where
+    F: Fn(TcpStream, TcpStream) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let relay = relay.clone();
+            tokio::spawn(async move {
+                let Ok(server) = TcpStream::connect(upstream).await else { return };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                relay(client, server).await;
+            });
+        }
+    })
 }
 
 /// Copies `reader` to `writer`, delivering each chunk `delay` after it was read; end-of-stream

@@ -261,7 +261,8 @@ fn polyline(svg: &mut String, line: &Line, color: &str, x_axis: &Axis, y_axis: &
 /// A dot on every point of `line`.
 fn markers(svg: &mut String, line: &Line, color: &str, x_axis: &Axis, y_axis: &Axis) {
     for p in &line.points {
-        let _ = writeln!(svg, r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#, x_axis.px(p.0), y_axis.py(p.1));
+        let _ =
+            writeln!(svg, r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#, x_axis.px(p.0), y_axis.py(p.1));
     }
 }
 

@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio::task::JoinHandle;
 
 use crate::backends;
-use crate::delay::DelayedLink;
+use crate::delay::{DelayedLink, spawn_relay};
 use crate::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tether_agent::config::AgentConfig;
 
@@ -247,34 +247,6 @@ impl io::Write for StdConn {
     }
 }
 
-/// A chain of plain TCP relays in front of `target`: a connection to the returned address crosses
-/// `hops` user-space relays (each copies both ways with 64 KiB buffers) before it reaches
-/// `target`. With two hops it has the tunnel's topology - client -> frontend, gateway -> agent,
-/// agent -> server: three TCP connections and two processes copying - without TLS, WebSocket or
-/// multiplexer, so it shows what the hops alone cost on the same machine. The tasks end when the
-/// handles are aborted.
-pub async fn relay_chain(target: SocketAddr, hops: usize) -> io::Result<(SocketAddr, Vec<JoinHandle<()>>)> {
-    const BUFFER: usize = 64 * 1024;
-    let mut upstream = target;
-    let mut tasks = Vec::with_capacity(hops);
-    for _ in 0..hops {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        let next = upstream;
-        upstream = listener.local_addr()?;
-        tasks.push(tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let Ok(mut server) = TcpStream::connect(next).await else { return };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
-                });
-            }
-        }));
-    }
-    Ok((upstream, tasks))
-}
-
 /// The node-side servers and the routes to them.
 pub struct DataPath {
     /// `local` or `external`.
@@ -365,6 +337,24 @@ impl DataPath {
     /// Where the direct route to `target` connects: the server, or its delayed link.
     pub fn direct_addr(&self, target: SocketAddr) -> SocketAddr {
         self.links.iter().find(|(server, _)| *server == target).map_or(target, |(_, link)| link.addr())
+    }
+
+    /// A route to `target` through a chain of `hops` plain TCP relays (each copies both ways
+    /// with 64 KiB buffers), then the direct route. With two hops it has the tunnel's topology -
+    /// client -> frontend, gateway -> agent, agent -> server: three TCP connections and two
+    /// processes copying - without TLS, WebSocket or multiplexer, so it shows what the hops alone
+    /// cost on the same machine. The relays stop with [`shutdown`](Self::shutdown).
+    pub async fn relay_route(&mut self, target: SocketAddr, hops: usize) -> io::Result<Route> {
+        const BUFFER: usize = 64 * 1024;
+        let mut upstream = self.direct_addr(target);
+        for _ in 0..hops {
+            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+            let next = std::mem::replace(&mut upstream, listener.local_addr()?);
+            self.servers.push(spawn_relay(listener, next, |mut client, mut server| async move {
+                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+            }));
+        }
+        Ok(Route::Direct(upstream))
     }
 
     /// The main tunnel route to `target`.

@@ -40,16 +40,13 @@ pub struct DialRateArgs {
 /// Runs the scenario.
 pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
-    let path = DataPath::start(&args.target).await?;
+    let mut path = DataPath::start(&args.target).await?;
     let mut routes = vec![("direct".to_owned(), path.direct(path.echo))];
     for (label, frontend) in &path.frontends {
         routes.push((label.clone(), Route::Connect { frontend: frontend.clone(), target: path.echo }));
     }
-    let mut relays = Vec::new();
     if args.relay_baseline {
-        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.echo), 1).await?;
-        relays = tasks;
-        routes.push((RELAY.to_owned(), Route::Direct(relay)));
+        routes.push((RELAY.to_owned(), path.relay_route(path.echo, 1).await?));
     }
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
     let mut runs: Vec<Vec<DialResult>> = routes.iter().map(|_| Vec::new()).collect();
@@ -69,7 +66,6 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         }),
     );
     path.shutdown().await;
-    relays.iter().for_each(tokio::task::JoinHandle::abort);
     let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
     let direct_rate = median(&rates[0]);
     let mut table =

@@ -103,13 +103,10 @@ async fn measure(route: &Route, args: &RpsArgs, progress: &Progress, label: &str
 /// Runs the scenario.
 pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
-    let path = DataPath::start(&args.target).await?;
+    let mut path = DataPath::start(&args.target).await?;
     let mut routes = vec![("direct", path.direct(path.echo)), ("tunnel", path.tunnel(path.echo))];
-    let mut relays = Vec::new();
     if args.relay_baseline {
-        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.echo), 2).await?;
-        relays = tasks;
-        routes.push(("relay", Route::Direct(relay)));
+        routes.push(("relay", path.relay_route(path.echo, 2).await?));
     }
     let mut runs: Vec<Vec<RpsRun>> = routes.iter().map(|_| Vec::new()).collect();
     for rep in 0..args.repeat.max(1) {
@@ -127,7 +124,6 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
         }),
     );
     path.shutdown().await;
-    relays.iter().for_each(tokio::task::JoinHandle::abort);
     let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
     report.compared("requests_per_s", median(&rates[0]), median(&rates[1]));
     let mut table = Table::new(&["path", "req/s", "p50 us", "p99 us", "runs", "CPU us/req"]);

@@ -11,7 +11,6 @@ use crate::scenarios::measure::{self, BulkResult, Direction};
 use crate::stats::{median, median_index};
 use crate::svg::{self, Labels, Line};
 use crate::target::{DataPath, DataTarget};
-use tokio::task::JoinHandle;
 
 /// Options of `throughput`.
 #[derive(Debug, Clone, clap::Args)]
@@ -37,14 +36,11 @@ pub struct ThroughputArgs {
 /// Runs the scenario.
 pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<Outcome> {
     let started = Instant::now();
-    let path = DataPath::start(&args.target).await?;
+    let mut path = DataPath::start(&args.target).await?;
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
     let mut routes = vec![("direct", path.direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
-    let mut relays = Vec::new();
     if args.relay_baseline {
-        let (relay, tasks) = crate::target::relay_chain(path.direct_addr(path.bulk), 2).await?;
-        relays = tasks;
-        routes.push(("relay", crate::target::Route::Direct(relay)));
+        routes.push(("relay", path.relay_route(path.bulk, 2).await?));
     }
     let mut runs: BTreeMap<(&str, &str), Vec<BulkResult>> = BTreeMap::new();
     for rep in 0..args.repeat.max(1) {
@@ -65,7 +61,6 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         }),
     );
     path.shutdown().await;
-    relays.iter().for_each(JoinHandle::abort);
     let mut table = Table::new(&[
         "direction",
         "direct MiB/s",
