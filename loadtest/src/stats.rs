@@ -23,6 +23,12 @@ pub fn median(values: &[f64]) -> f64 {
     if sorted.len().is_multiple_of(2) { (sorted[mid - 1] + sorted[mid]) / 2.0 } else { sorted[mid] }
 }
 
+/// The median of the values given, or `None` when there are none.
+pub fn median_of(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let values: Vec<f64> = values.into_iter().collect();
+    (!values.is_empty()).then(|| median(&values))
+}
+
 /// Index of the value closest to the median (to pick a representative repetition).
 pub fn median_index(values: &[f64]) -> usize {
     let m = median(values);

@@ -81,8 +81,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         };
         let rate = median(&rates[i]);
         let errors: u64 = runs[i].iter().map(|r| r.errors).sum();
-        let cpu: Vec<f64> = runs[i].iter().filter_map(|r| r.cpu_us_per_dial).collect();
-        let cpu = (!cpu.is_empty()).then(|| median(&cpu));
+        let cpu = crate::stats::median_of(runs[i].iter().filter_map(|r| r.cpu_us_per_dial));
         let name = via.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).collect::<Vec<_>>().join("_");
         if let Some(cpu) = cpu {
             report.figures.insert(format!("{name}_cpu_us_per_dial"), cpu);

@@ -138,8 +138,7 @@ pub async fn run(args: &RpsArgs, progress: &Progress) -> anyhow::Result<Outcome>
                 _ => report.figures.insert(format!("{via}_{key}"), value),
             };
         }
-        let cpu: Vec<f64> = runs[i].iter().filter_map(|r| r.cpu_us_per_request).collect();
-        let cpu = (!cpu.is_empty()).then(|| median(&cpu));
+        let cpu = stats::median_of(runs[i].iter().filter_map(|r| r.cpu_us_per_request));
         if let Some(cpu) = cpu {
             report.figures.insert(format!("{via}_cpu_us_per_request"), cpu);
         }

@@ -80,9 +80,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         report.compared(&key, median(&direct), median(&tunnel));
         // CPU per byte: the whole process (client, servers and, in-process, gateway and agent).
         let cpu = |via: &str| {
-            let values: Vec<f64> =
-                runs.get(&(via, direction)).into_iter().flatten().filter_map(|r| r.cpu_s_per_gib).collect();
-            (!values.is_empty()).then(|| median(&values))
+            crate::stats::median_of(runs.get(&(via, direction)).into_iter().flatten().filter_map(|r| r.cpu_s_per_gib))
         };
         let (cpu_direct, cpu_tunnel) = (cpu("direct"), cpu("tunnel"));
         if let (Some(d), Some(t)) = (cpu_direct, cpu_tunnel) {
