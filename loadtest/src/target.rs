@@ -357,6 +357,22 @@ impl DataPath {
         Ok(Route::Direct(upstream))
     }
 
+    /// A route to `target` through a bare CONNECT proxy: Tether's own request parser and answer,
+    /// then a TCP connection to the target and a splice, with no tunnel session in between. It
+    /// makes the same two TCP connections and the same CONNECT exchange as a tunnelled dial, so
+    /// it is the floor for any Konnectivity-compatible frontend on the same machine. It stops
+    /// with [`shutdown`](Self::shutdown).
+    pub async fn connect_relay_route(&mut self, target: SocketAddr) -> io::Result<Route> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr = listener.local_addr()?;
+        self.servers.push(tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                tokio::spawn(connect_relay(client));
+            }
+        }));
+        Ok(Route::Connect { frontend: Frontend::Tcp(addr), target: self.direct_addr(target) })
+    }
+
     /// The main tunnel route to `target`.
     pub fn tunnel(&self, target: SocketAddr) -> Route {
         let frontend = self.frontends.first().map(|f| f.1.clone()).unwrap_or(Frontend::Tcp(target));
@@ -372,6 +388,29 @@ impl DataPath {
             server.abort();
         }
     }
+}
+
+/// One connection of the bare CONNECT proxy: parse, connect, answer, splice.
+async fn connect_relay(mut client: TcpStream) {
+    use tether_gateway::frontend::connect::{ESTABLISHED, error_response, read_request};
+    let _ = client.set_nodelay(true);
+    let Ok(request) = read_request(&mut client).await else { return };
+    let upstream = match request.target.parse::<SocketAddr>() {
+        Ok(addr) => TcpStream::connect(addr).await,
+        Err(e) => Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
+    };
+    let mut server = match upstream {
+        Ok(server) => server,
+        Err(e) => {
+            let _ = client.write_all(&error_response(502, &e.to_string())).await;
+            return;
+        }
+    };
+    let _ = server.set_nodelay(true);
+    if server.write_all(&request.early_data).await.is_err() || client.write_all(ESTABLISHED).await.is_err() {
+        return;
+    }
+    let _ = tether_tunnel::splice::splice(&mut client, &mut server, |_, _| {}).await;
 }
 
 #[cfg(test)]

@@ -135,9 +135,20 @@ fn latency_smoke() {
 #[test]
 fn dial_rate_smoke() {
     let (result, dir, _) = run(&["dial-rate", "--duration", "0.5", "--repeat", "1", "--relay-baseline"]);
-    for key in ["relay_dials_per_s", "relay_over_direct", "tunnel_cpu_us_per_dial", "direct_cpu_us_per_dial"] {
+    for key in [
+        "relay_dials_per_s",
+        "relay_over_direct",
+        "connect_relay_dials_per_s",
+        "connect_relay_over_direct",
+        "tunnel_over_connect_relay",
+        "tunnel_cpu_us_per_dial",
+        "direct_cpu_us_per_dial",
+        "connect_relay_no_tunnel_cpu_us_per_dial",
+    ] {
         positive(&result, "figures", key);
     }
+    // The bare CONNECT relay answers every dial like the frontend does.
+    assert_eq!(result["figures"]["connect_relay_no_tunnel_errors"], 0.0, "{result}");
     positive(&result, "baseline", "dials_per_s");
     positive(&result, "tunnel", "dials_per_s");
     positive(&result, "ratios", "dials_per_s");

@@ -12,8 +12,10 @@ use crate::stats::{distribution, median, median_index, percentiles, ratio};
 use crate::svg::{self, Labels, Line};
 use crate::target::{DataPath, DataTarget, Route};
 
-/// Label of the relay baseline.
+/// Label of the plain relay baseline.
 const RELAY: &str = "relay (1 hop, no tunnel)";
+/// Label of the CONNECT relay baseline.
+const CONNECT_RELAY: &str = "CONNECT relay (no tunnel)";
 
 /// Options of `dial-rate`.
 #[derive(Debug, Clone, clap::Args)]
@@ -27,9 +29,10 @@ pub struct DialRateArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Also measure dials through one plain TCP relay: the two TCP connections a tunnelled dial
-    /// sets up (client -> frontend, agent -> server) without the tunnel session in between, a
-    /// floor for what the new connections alone cost on the same machine.
+    /// Also measure dials through one plain TCP relay (the two TCP connections a tunnelled dial
+    /// sets up, client -> frontend and agent -> server, without the tunnel session in between)
+    /// and through a bare CONNECT relay (the same plus Tether's CONNECT exchange): floors for
+    /// what the new connections, and a Konnectivity-compatible frontend, cost on the same machine.
     #[arg(long)]
     pub relay_baseline: bool,
     /// Where to send traffic.
@@ -47,6 +50,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
     }
     if args.relay_baseline {
         routes.push((RELAY.to_owned(), path.relay_route(path.echo, 1).await?));
+        routes.push((CONNECT_RELAY.to_owned(), path.connect_relay_route(path.echo).await?));
     }
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
     let mut runs: Vec<Vec<DialResult>> = routes.iter().map(|_| Vec::new()).collect();
@@ -68,6 +72,7 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
     path.shutdown().await;
     let rates: Vec<Vec<f64>> = runs.iter().map(|r| r.iter().map(|x| x.per_second).collect()).collect();
     let direct_rate = median(&rates[0]);
+    let tunnel_rate = rates.get(1).map_or(0.0, |r| median(r));
     let mut table =
         Table::new(&["path", "dials/s", "vs direct", "p50 us", "p90 us", "p99 us", "errors", "CPU us/dial"]);
     let mut lines = Vec::new();
@@ -82,14 +87,24 @@ pub async fn run(args: &DialRateArgs, progress: &Progress) -> anyhow::Result<Out
         let rate = median(&rates[i]);
         let errors: u64 = runs[i].iter().map(|r| r.errors).sum();
         let cpu = crate::stats::median_of(runs[i].iter().filter_map(|r| r.cpu_us_per_dial));
-        let name = via.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()).collect::<Vec<_>>().join("_");
+        let name = via
+            .split(|c: char| !c.is_alphanumeric())
+            .filter(|w| !w.is_empty())
+            .collect::<Vec<_>>()
+            .join("_")
+            .to_lowercase();
         if let Some(cpu) = cpu {
             report.figures.insert(format!("{name}_cpu_us_per_dial"), cpu);
         }
-        if via == RELAY {
-            report.figures.insert("relay_dials_per_s".into(), rate);
-            report.figures.insert("relay_over_direct".into(), ratio(rate, direct_rate));
-            report.figures.insert("relay_p50_us".into(), p[0].1);
+        if let Some(key) = match via.as_str() {
+            RELAY => Some("relay"),
+            CONNECT_RELAY => Some("connect_relay"),
+            _ => None,
+        } {
+            report.figures.insert(format!("{key}_dials_per_s"), rate);
+            report.figures.insert(format!("{key}_over_direct"), ratio(rate, direct_rate));
+            report.figures.insert(format!("tunnel_over_{key}"), ratio(tunnel_rate, rate));
+            report.figures.insert(format!("{key}_p50_us"), p[0].1);
         } else if i == 0 {
             report.baseline.insert("dials_per_s".into(), rate);
             for (name, v) in &p {
