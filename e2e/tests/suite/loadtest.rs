@@ -172,10 +172,21 @@ fn agents_smoke() {
 
 #[test]
 fn streams_smoke() {
-    let (result, dir, _) =
-        run(&["streams", "--streams", "40", "--steps", "2", "--concurrency", "8", "--settle", "0.2"]);
-    assert_eq!(result["figures"]["streams_open"], 40.0, "{result}");
-    assert_eq!(result["figures"]["gateway_streams_open_metric"], 40.0);
+    let (result, dir, stdout) =
+        run(&["streams", "--streams", "40", "--steps", "2", "--concurrency", "8", "--settle", "0.2", "--cycles", "3"]);
+    let figures = &result["figures"];
+    assert_eq!(figures["streams_open"], 40.0, "{result}");
+    assert_eq!(figures["gateway_streams_open_metric"], 40.0);
+    assert!(figures["gateway_open_fds"].as_f64().unwrap() >= figures["gateway_open_fds_base"].as_f64().unwrap() + 40.0);
+    // After three rounds of opening and closing, nothing is left behind on either side.
+    assert_eq!(figures["cycles"], 3.0);
+    assert_eq!(figures["gateway_streams_open_after_close"], 0.0, "{result}");
+    assert_eq!(figures["agent_streams_open_after_close"], 0.0, "{result}");
+    assert_eq!(figures["gateway_open_fds_after_close"], figures["gateway_open_fds_base"], "{result}");
+    assert_eq!(figures["agent_open_fds_after_close"], figures["agent_open_fds_base"], "{result}");
+    assert!(figures["gateway_rss_growth_kib_per_cycle"].is_number());
+    assert_eq!(series_named(&result, "agent RSS after close")["points"].as_array().unwrap().len(), 3);
+    assert!(stdout.contains("3 cycles of open + close"), "{stdout}");
     assert!(result["tunnel"]["gateway_kib_per_stream"].is_number());
     assert!(result["tunnel"]["agent_kib_per_stream"].is_number());
     assert_eq!(series_named(&result, "gateway RSS")["points"].as_array().unwrap().len(), 3);

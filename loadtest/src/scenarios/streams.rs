@@ -6,6 +6,10 @@
 //! Every stream costs a socket in three processes (client + echo server here, the frontend
 //! connection in the gateway, the target connection in the agent), and the hard open-file limit
 //! here is about 20,000 per process, so the default stops at 8,000 streams.
+//!
+//! With `--cycles N` the streams are opened and closed N times: resident memory and open file
+//! descriptors after each close, and the stream gauges on both sides, show whether anything
+//! stays behind (a leak grows with every cycle; memory the allocator keeps for reuse does not).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -37,6 +41,10 @@ pub struct StreamsArgs {
     /// Seconds to let memory settle before each reading.
     #[arg(long, default_value_t = 1.0)]
     pub settle: f64,
+    /// Times to open all streams and close them again (a leak check: what remains after each
+    /// close must not grow from cycle to cycle).
+    #[arg(long, default_value_t = 1)]
+    pub cycles: usize,
     /// The tether-gateway binary (default: next to this executable).
     #[arg(long)]
     pub gateway_bin: Option<std::path::PathBuf>,
@@ -71,6 +79,33 @@ impl Sides {
     fn rss(&self) -> (f64, f64) {
         (procs::rss_kib(self.gateway).unwrap_or(0) as f64, procs::rss_kib(self.agent).unwrap_or(0) as f64)
     }
+
+    fn fds(&self) -> (usize, usize) {
+        (procs::open_fds(self.gateway).unwrap_or(0), procs::open_fds(self.agent).unwrap_or(0))
+    }
+
+    /// Open descriptors once closed streams have been torn down: connections close
+    /// asynchronously, so this waits (up to `patience`) until both sides are back at `base`.
+    async fn fds_after_close(&self, base: (usize, usize), patience: Duration) -> (usize, usize) {
+        let deadline = Instant::now() + patience;
+        loop {
+            let now = self.fds();
+            if (now.0 <= base.0 && now.1 <= base.1) || Instant::now() >= deadline {
+                return now;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// What remained after one cycle's streams were closed.
+struct AfterClose {
+    gateway_rss_kib: f64,
+    agent_rss_kib: f64,
+    gateway_fds: usize,
+    agent_fds: usize,
+    gateway_open: Option<f64>,
+    agent_open: Option<f64>,
 }
 
 /// Runs the scenario.
@@ -101,29 +136,57 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
     let settle = Duration::from_secs_f64(args.settle.max(0.1));
     tokio::time::sleep(settle * 2).await;
 
-    let mut points: Vec<(f64, f64, f64)> = Vec::new();
     let (g0, a0) = sides.rss();
-    points.push((0.0, g0, a0));
-    let mut held: Vec<Conn> = Vec::with_capacity(args.streams);
+    let fds_base = sides.fds();
+    // The slope comes from the first fill; later cycles only check what stays behind.
+    let mut points: Vec<(f64, f64, f64)> = vec![(0.0, g0, a0)];
+    let mut open_at_gateway = None;
+    let mut fds_full = None;
+    let mut n = 0.0;
+    let mut after_close: Vec<AfterClose> = Vec::new();
     let steps = args.steps.max(1);
-    for step in 1..=steps {
-        let goal = args.streams * step / steps;
-        let phase = progress.phase(&format!("opening streams to {goal}"), Duration::from_secs(2), String::new);
-        let more = open_streams(&route, goal - held.len(), args.concurrency).await;
-        phase.done().await;
-        held.extend(more?);
-        tokio::time::sleep(settle).await;
+    let cycles = args.cycles.max(1);
+    for cycle in 1..=cycles {
+        let mut held: Vec<Conn> = Vec::with_capacity(args.streams);
+        for step in 1..=steps {
+            let goal = args.streams * step / steps;
+            let label = if cycles > 1 {
+                format!("cycle {cycle}/{cycles}: opening streams to {goal}")
+            } else {
+                format!("opening streams to {goal}")
+            };
+            let phase = progress.phase(&label, Duration::from_secs(2), String::new);
+            let more = open_streams(&route, goal - held.len(), args.concurrency).await;
+            phase.done().await;
+            held.extend(more?);
+            if cycle == 1 {
+                tokio::time::sleep(settle).await;
+                let (g, a) = sides.rss();
+                points.push((held.len() as f64, g, a));
+            }
+        }
+        if cycle == 1 {
+            open_at_gateway = procs::metric(ports.admin, "tether_gateway_streams_open").await;
+            fds_full = Some((sides.fds(), procs::open_fds(std::process::id()).unwrap_or(0)));
+            n = held.len() as f64;
+        }
+        drop(held);
+        tokio::time::sleep(settle * 3).await;
+        let (gateway_fds, agent_fds) = sides.fds_after_close(fds_base, settle * 10).await;
         let (g, a) = sides.rss();
-        points.push((held.len() as f64, g, a));
+        after_close.push(AfterClose {
+            gateway_rss_kib: g,
+            agent_rss_kib: a,
+            gateway_fds,
+            agent_fds,
+            gateway_open: procs::metric(ports.admin, "tether_gateway_streams_open").await,
+            agent_open: procs::metric(agent_admin, "tether_agent_streams_open").await,
+        });
     }
-    let open_at_gateway = procs::metric(ports.admin, "tether_gateway_streams_open").await;
-    let fds = (procs::open_fds(sides.gateway), procs::open_fds(sides.agent), procs::open_fds(std::process::id()));
-    let n = held.len() as f64;
-    drop(held);
-    tokio::time::sleep(settle * 3).await;
-    let (g_closed, a_closed) = sides.rss();
-    let open_after_close = procs::metric(ports.admin, "tether_gateway_streams_open").await;
-    let agent_open_after_close = procs::metric(agent_admin, "tether_agent_streams_open").await;
+    let last_close = after_close.last();
+    let (g_closed, a_closed) = last_close.map_or((g0, a0), |c| (c.gateway_rss_kib, c.agent_rss_kib));
+    let open_after_close = last_close.and_then(|c| c.gateway_open);
+    let agent_open_after_close = last_close.and_then(|c| c.agent_open);
 
     let gateway_slope = slope(&points.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>());
     let agent_slope = slope(&points.iter().map(|p| (p.0, p.2)).collect::<Vec<_>>());
@@ -131,7 +194,10 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
     let mut report = Report::new(
         "streams",
         "processes",
-        serde_json::json!({ "streams": args.streams, "steps": args.steps, "concurrency": args.concurrency, "settle_s": args.settle }),
+        serde_json::json!({
+            "streams": args.streams, "steps": args.steps, "concurrency": args.concurrency,
+            "settle_s": args.settle, "cycles": cycles,
+        }),
     );
     report.tunnel.insert("gateway_kib_per_stream".into(), gateway_slope);
     report.tunnel.insert("agent_kib_per_stream".into(), agent_slope);
@@ -153,10 +219,36 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
     if let Some(open) = agent_open_after_close {
         report.figures.insert("agent_streams_open_after_close".into(), open);
     }
-    if let (Some(g), Some(a), Some(own)) = fds {
+    if let Some(((g, a), own)) = fds_full {
         report.figures.insert("gateway_open_fds".into(), g as f64);
         report.figures.insert("agent_open_fds".into(), a as f64);
         report.figures.insert("loadtest_open_fds".into(), own as f64);
+    }
+    report.figures.insert("cycles".into(), after_close.len() as f64);
+    report.figures.insert("gateway_open_fds_base".into(), fds_base.0 as f64);
+    report.figures.insert("agent_open_fds_base".into(), fds_base.1 as f64);
+    if let Some(close) = last_close {
+        report.figures.insert("gateway_open_fds_after_close".into(), close.gateway_fds as f64);
+        report.figures.insert("agent_open_fds_after_close".into(), close.agent_fds as f64);
+    }
+    let cycle_points = |rss: fn(&AfterClose) -> f64| -> Vec<(f64, f64)> {
+        after_close.iter().enumerate().map(|(i, c)| ((i + 1) as f64, rss(c))).collect()
+    };
+    let growth = (after_close.len() >= 2)
+        .then(|| (slope(&cycle_points(|c| c.gateway_rss_kib)), slope(&cycle_points(|c| c.agent_rss_kib))));
+    if let Some((g, a)) = growth {
+        report.figures.insert("gateway_rss_growth_kib_per_cycle".into(), g);
+        report.figures.insert("agent_rss_growth_kib_per_cycle".into(), a);
+        for (name, rss) in
+            [("gateway", cycle_points(|c| c.gateway_rss_kib)), ("agent", cycle_points(|c| c.agent_rss_kib))]
+        {
+            report.series.push(crate::report::Series {
+                name: format!("{name} RSS after close"),
+                x_unit: "cycle".into(),
+                y_unit: "KiB".into(),
+                points: rss.iter().map(|p| [p.0, p.1]).collect(),
+            });
+        }
     }
     for (i, p) in points.iter().enumerate() {
         report.figures.insert(format!("step{i}_streams"), p.0);
@@ -207,9 +299,19 @@ pub async fn run(args: &StreamsArgs, progress: &Progress) -> anyhow::Result<Outc
             Line { name: "agent".into(), points: points.iter().map(|p| (p.0, p.2 / 1024.0)).collect(), dashed: false },
         ],
     );
-    Ok(Outcome {
-        report,
-        table: format!("{}  {} streams held open\n", table.render(), n),
-        charts: vec![("streams-memory.svg".into(), chart)],
-    })
+    let mut summary = format!("{}  {} streams held open\n", table.render(), n);
+    if let (Some((g, a)), Some(close)) = (growth, last_close) {
+        summary.push_str(&format!(
+            "  {} cycles of open + close: RSS after close grows {g:.1} KiB per cycle (gateway), {a:.1} (agent); \
+             open files after close {} / {} (before: {} / {}); streams still open {} / {}\n",
+            after_close.len(),
+            close.gateway_fds,
+            close.agent_fds,
+            fds_base.0,
+            fds_base.1,
+            close.gateway_open.map_or_else(|| "-".into(), |v| v.to_string()),
+            close.agent_open.map_or_else(|| "-".into(), |v| v.to_string()),
+        ));
+    }
+    Ok(Outcome { report, table: summary, charts: vec![("streams-memory.svg".into(), chart)] })
 }
