@@ -7,6 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use crate::backends;
 use crate::delay::{DelayedLink, spawn_relay};
 use crate::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tether_agent::config::AgentConfig;
+use tether_tunnel::tls;
 
 /// A CONNECT frontend: `tcp://host:port` or `unix:///path`.
 #[derive(Debug, Clone)]
@@ -355,6 +357,50 @@ impl DataPath {
             }));
         }
         Ok(Route::Direct(upstream))
+    }
+
+    /// A route to `target` through two relays with TLS between them - client -> relay (plain),
+    /// relay -> relay (TLS 1.3, rustls with aws-lc-rs as in Tether), relay -> target (plain) -
+    /// each copying with 64 KiB buffers. It is the two-relay chain of [`relay_route`] with the
+    /// tunnel's encryption on the middle hop, where the gateway and the agent talk, but without
+    /// WebSocket or multiplexer: what the encryption alone adds to the hops. It stops with
+    /// [`shutdown`](Self::shutdown).
+    ///
+    /// [`relay_route`]: Self::relay_route
+    pub async fn tls_relay_route(&mut self, target: SocketAddr) -> anyhow::Result<Route> {
+        const BUFFER: usize = 64 * 1024;
+        let (acceptor, connector) = {
+            let dir = crate::local::ScratchDir::new("tether-tls-relay")?;
+            let ca = crate::devpki::DevCa::create(dir.path(), "tls-relay")?;
+            let pair = ca.server("tls-relay", &["127.0.0.1"])?;
+            let cert = tls::ReloadableCert::load(&pair.cert, &pair.key)?;
+            let server = tls::server_config(cert, None, &[])?;
+            let roots = tls::ClientRoots { ca_file: Some(ca.ca_cert.clone()), system_roots: false };
+            let client = tls::client_config(&roots, None, &[])?;
+            (tokio_rustls::TlsAcceptor::from(Arc::new(server)), tokio_rustls::TlsConnector::from(Arc::new(client)))
+        };
+        // The far relay terminates TLS and connects on to the target (or its delayed link).
+        let far = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let far_addr = far.local_addr()?;
+        self.servers.push(spawn_relay(far, self.direct_addr(target), move |client, mut server| {
+            let acceptor = acceptor.clone();
+            async move {
+                let Ok(mut client) = acceptor.accept(client).await else { return };
+                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+            }
+        }));
+        // The near relay takes the client in plain TCP and speaks TLS to the far one.
+        let near = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let near_addr = near.local_addr()?;
+        self.servers.push(spawn_relay(near, far_addr, move |mut client, server| {
+            let connector = connector.clone();
+            async move {
+                let name = rustls_pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
+                let Ok(mut server) = connector.connect(name, server).await else { return };
+                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+            }
+        }));
+        Ok(Route::Direct(near_addr))
     }
 
     /// A route to `target` through a bare CONNECT proxy: Tether's own request parser and answer,

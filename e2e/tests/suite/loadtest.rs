@@ -81,7 +81,8 @@ fn series_named<'a>(result: &'a serde_json::Value, part: &str) -> &'a serde_json
 #[test]
 fn throughput_smoke() {
     // Over an emulated 4 ms round trip, so the delayed-link path runs too.
-    // With the relay baseline: two plain TCP relays in front of the same (delayed) server.
+    // With the relay baselines: two relays, plain and with TLS between them, in front of the same
+    // (delayed) server.
     let (result, dir, stdout) =
         run(&["throughput", "--duration", "0.5", "--repeat", "1", "--link-delay-ms", "2", "--relay-baseline"]);
     for key in ["download_mib_s", "upload_mib_s"] {
@@ -90,14 +91,23 @@ fn throughput_smoke() {
         positive(&result, "ratios", key);
     }
     for direction in ["download", "upload"] {
-        for key in
-            ["relay_mib_s", "relay_over_direct", "tunnel_over_relay", "tunnel_cpu_s_per_gib", "direct_cpu_s_per_gib"]
-        {
+        for key in [
+            "relay_mib_s",
+            "relay_over_direct",
+            "tunnel_over_relay",
+            "tls_relay_mib_s",
+            "tls_relay_over_direct",
+            "tunnel_over_tls_relay",
+            "tls_relay_cpu_s_per_gib",
+            "tunnel_cpu_s_per_gib",
+            "direct_cpu_s_per_gib",
+        ] {
             positive(&result, "figures", &format!("{direction}_{key}"));
         }
     }
     assert!(series_named(&result, "relay download")["points"].is_array());
-    assert!(stdout.contains("tunnel/relay"), "{stdout}");
+    assert!(series_named(&result, "tls_relay upload")["points"].is_array());
+    assert!(stdout.contains("two relays, TLS between"), "{stdout}");
     assert_eq!(result["target"], "local");
     assert_eq!(result["parameters"]["link_delay_ms"], 2);
     assert!(series_named(&result, "tunnel download")["points"].is_array());

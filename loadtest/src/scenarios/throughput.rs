@@ -24,14 +24,18 @@ pub struct ThroughputArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeat: usize,
-    /// Also measure a chain of two plain TCP relays (the tunnel's three TCP connections without
-    /// TLS, WebSocket or multiplexer): how much of the gap to direct TCP the hops alone explain.
+    /// Also measure a chain of two TCP relays (the tunnel's three TCP connections without
+    /// WebSocket or multiplexer), plain and with TLS between the two relays: how much of the gap
+    /// to direct TCP the hops alone, and the hops with the tunnel's encryption, explain.
     #[arg(long)]
     pub relay_baseline: bool,
     /// Where to send traffic.
     #[command(flatten)]
     pub target: DataTarget,
 }
+
+/// The relay baselines of `--relay-baseline`: route key and label.
+const BASELINES: [(&str, &str); 2] = [("relay", "two plain relays"), ("tls_relay", "two relays, TLS between")];
 
 /// Runs the scenario.
 pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<Outcome> {
@@ -41,6 +45,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
     let mut routes = vec![("direct", path.direct(path.bulk)), ("tunnel", path.tunnel(path.bulk))];
     if args.relay_baseline {
         routes.push(("relay", path.relay_route(path.bulk, 2).await?));
+        routes.push(("tls_relay", path.tls_relay_route(path.bulk).await?));
     }
     let mut runs: BTreeMap<(&str, &str), Vec<BulkResult>> = BTreeMap::new();
     for rep in 0..args.repeat.max(1) {
@@ -70,7 +75,7 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
         "CPU s/GiB direct",
         "tunnel",
     ]);
-    let mut relay_table = Table::new(&["direction", "relay MiB/s", "relay/direct", "tunnel/relay", "CPU s/GiB relay"]);
+    let mut relay_table = Table::new(&["direction", "path", "MiB/s", "vs direct", "tunnel vs it", "CPU s/GiB"]);
     let mut lines = Vec::new();
     for direction in ["download", "upload"] {
         let figures = |via: &str| runs.get(&(via, direction)).map(|r| r.iter().map(|x| x.mib_s).collect::<Vec<_>>());
@@ -88,25 +93,33 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
             report.figures.insert(format!("{direction}_tunnel_cpu_s_per_gib"), t);
             report.figures.insert(format!("{direction}_cpu_cost_tunnel_over_direct"), crate::stats::ratio(t, d));
         }
-        let relay = figures("relay").unwrap_or_default();
-        if !relay.is_empty() {
-            let (relay_mib_s, cpu_relay) = (median(&relay), cpu("relay"));
+        let mut baselines = Vec::new();
+        for (via, label) in BASELINES {
+            let values = figures(via).unwrap_or_default();
+            if values.is_empty() {
+                continue;
+            }
+            let (mib_s, cpu_via) = (median(&values), cpu(via));
             let ratio = crate::stats::ratio;
-            report.figures.insert(format!("{direction}_relay_mib_s"), relay_mib_s);
-            report.figures.insert(format!("{direction}_relay_over_direct"), ratio(relay_mib_s, median(&direct)));
-            report.figures.insert(format!("{direction}_tunnel_over_relay"), ratio(median(&tunnel), relay_mib_s));
-            if let Some(c) = cpu_relay {
-                report.figures.insert(format!("{direction}_relay_cpu_s_per_gib"), c);
+            report.figures.insert(format!("{direction}_{via}_mib_s"), mib_s);
+            report.figures.insert(format!("{direction}_{via}_over_direct"), ratio(mib_s, median(&direct)));
+            report.figures.insert(format!("{direction}_tunnel_over_{via}"), ratio(median(&tunnel), mib_s));
+            if let Some(c) = cpu_via {
+                report.figures.insert(format!("{direction}_{via}_cpu_s_per_gib"), c);
             }
             relay_table.row(vec![
                 direction.into(),
-                num(relay_mib_s),
-                pct(ratio(relay_mib_s, median(&direct))),
-                pct(ratio(median(&tunnel), relay_mib_s)),
-                cpu_relay.map_or_else(|| "-".into(), |v| format!("{v:.2}")),
+                label.into(),
+                num(mib_s),
+                pct(ratio(mib_s, median(&direct))),
+                pct(ratio(median(&tunnel), mib_s)),
+                cpu_via.map_or_else(|| "-".into(), |v| format!("{v:.2}")),
             ]);
+            baselines.push((via, values));
         }
-        for (via, values) in [("direct", &direct), ("tunnel", &tunnel), ("relay", &relay)] {
+        let measured =
+            [("direct", &direct), ("tunnel", &tunnel)].into_iter().chain(baselines.iter().map(|(v, x)| (*v, x)));
+        for (via, values) in measured {
             for (i, v) in values.iter().enumerate() {
                 report.figures.insert(format!("{direction}_{via}_run{}_mib_s", i + 1), *v);
             }
@@ -143,7 +156,10 @@ pub async fn run(args: &ThroughputArgs, progress: &Progress) -> anyhow::Result<O
     );
     let mut rendered = table.render();
     if args.relay_baseline {
-        rendered.push_str("\n  two plain TCP relays (the tunnel's hops without TLS, WebSocket or multiplexer):\n\n");
+        rendered.push_str(
+            "\n  two relays in a chain (the tunnel's three TCP connections without WebSocket or multiplexer;\n  \
+             plain, and with TLS between the relays as between gateway and agent):\n\n",
+        );
         rendered.push_str(&relay_table.render());
     }
     Ok(Outcome { report, table: rendered, charts: vec![("throughput.svg".into(), chart)] })
