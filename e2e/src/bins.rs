@@ -108,9 +108,10 @@ pub async fn wait_ready(addr: SocketAddr, path: &str, timeout: Duration) -> bool
     false
 }
 
-/// A free loopback TCP port (bound and released; good enough for tests).
+/// A free loopback TCP port for a child process, below the ephemeral range so that no outgoing
+/// connection takes it before the child binds it (see `tether_loadtest::procs::free_loopback`).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+    tether_loadtest::procs::free_loopback().map(|a| a.port()).unwrap_or(0)
 }
 
 /// The value of an unlabelled or labelled sample in Prometheus text, summed over series.

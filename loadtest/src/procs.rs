@@ -85,8 +85,29 @@ impl GatewayPorts {
     }
 }
 
-/// A free loopback address (bound and released).
+/// Lowest port [`free_loopback`] hands out.
+const FIXED_PORTS_FROM: u16 = 10_000;
+
+/// A free loopback address for a child process to listen on: bound once to check, then released.
+///
+/// The port is taken below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`): a port
+/// from that range (what binding port 0 returns) may be handed to any outgoing connection between
+/// the check and the child's own bind - and load tests open thousands per second - which made
+/// children fail with "address already in use". Falls back to an ephemeral port when the range
+/// below is too small or full.
 pub fn free_loopback() -> anyhow::Result<SocketAddr> {
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next().and_then(|low| low.parse::<u16>().ok()))
+        .unwrap_or(32_768);
+    if ephemeral_from > FIXED_PORTS_FROM + 1_000 {
+        for _ in 0..64 {
+            let port = fastrand::u16(FIXED_PORTS_FROM..ephemeral_from);
+            if let Ok(listener) = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)) {
+                return Ok(listener.local_addr()?);
+            }
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind a loopback port")?;
     Ok(listener.local_addr()?)
 }
