@@ -347,13 +347,12 @@ impl DataPath {
     /// processes copying - without TLS, WebSocket or multiplexer, so it shows what the hops alone
     /// cost on the same machine. The relays stop with [`shutdown`](Self::shutdown).
     pub async fn relay_route(&mut self, target: SocketAddr, hops: usize) -> io::Result<Route> {
-        const BUFFER: usize = 64 * 1024;
         let mut upstream = self.direct_addr(target);
         for _ in 0..hops {
             let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
             let next = std::mem::replace(&mut upstream, listener.local_addr()?);
             self.servers.push(spawn_relay(listener, next, |mut client, mut server| async move {
-                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+                relay_both_ways(&mut client, &mut server).await;
             }));
         }
         Ok(Route::Direct(upstream))
@@ -368,7 +367,6 @@ impl DataPath {
     ///
     /// [`relay_route`]: Self::relay_route
     pub async fn tls_relay_route(&mut self, target: SocketAddr) -> anyhow::Result<Route> {
-        const BUFFER: usize = 64 * 1024;
         let (acceptor, connector) = {
             let dir = crate::local::ScratchDir::new("tether-tls-relay")?;
             let ca = crate::devpki::DevCa::create(dir.path(), "tls-relay")?;
@@ -386,7 +384,7 @@ impl DataPath {
             let acceptor = acceptor.clone();
             async move {
                 let Ok(mut client) = acceptor.accept(client).await else { return };
-                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+                relay_both_ways(&mut client, &mut server).await;
             }
         }));
         // The near relay takes the client in plain TCP and speaks TLS to the far one.
@@ -397,7 +395,7 @@ impl DataPath {
             async move {
                 let name = rustls_pki_types::ServerName::IpAddress(Ipv4Addr::LOCALHOST.into());
                 let Ok(mut server) = connector.connect(name, server).await else { return };
-                let _ = tokio::io::copy_bidirectional_with_sizes(&mut client, &mut server, BUFFER, BUFFER).await;
+                relay_both_ways(&mut client, &mut server).await;
             }
         }));
         Ok(Route::Direct(near_addr))
@@ -434,6 +432,17 @@ impl DataPath {
             server.abort();
         }
     }
+}
+
+/// What the baseline relays do with a connection: copy both ways with 64 KiB buffers until both
+/// ends are done.
+async fn relay_both_ways<A, B>(a: &mut A, b: &mut B)
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    B: AsyncRead + AsyncWrite + Unpin + ?Sized,
+{
+    const BUFFER: usize = 64 * 1024;
+    let _ = tokio::io::copy_bidirectional_with_sizes(a, b, BUFFER, BUFFER).await;
 }
 
 /// One connection of the bare CONNECT proxy: parse, connect, answer, splice.
