@@ -93,9 +93,12 @@ const FIXED_PORTS_FROM: u16 = 10_000;
 /// The port is taken below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`): a port
 /// from that range (what binding port 0 returns) may be handed to any outgoing connection between
 /// the check and the child's own bind - and load tests open thousands per second - which made
-/// children fail with "address already in use". Falls back to an ephemeral port when the range
-/// below is too small or full.
+/// children fail with "address already in use". A port is handed out at most once per process, so
+/// two listeners picked before either child binds never get the same one. Falls back to an
+/// ephemeral port when the range below is too small or full.
 pub fn free_loopback() -> anyhow::Result<SocketAddr> {
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
     let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next().and_then(|low| low.parse::<u16>().ok()))
@@ -103,7 +106,12 @@ pub fn free_loopback() -> anyhow::Result<SocketAddr> {
     if ephemeral_from > FIXED_PORTS_FROM + 1_000 {
         for _ in 0..64 {
             let port = fastrand::u16(FIXED_PORTS_FROM..ephemeral_from);
+            let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if handed_out.contains(&port) {
+                continue;
+            }
             if let Ok(listener) = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)) {
+                handed_out.insert(port);
                 return Ok(listener.local_addr()?);
             }
         }
