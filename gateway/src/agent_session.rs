@@ -12,7 +12,7 @@ use tether_tunnel::protocol::{
     self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, ServerCount, StreamOpen,
     StreamResult, TokenRefreshResult, Welcome,
 };
-use tokio::io::{AsyncRead, AsyncWrite, WriteHalf};
+use tokio::io::{AsyncWrite, WriteHalf};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio::time::Instant;
 
@@ -77,7 +77,7 @@ pub async fn run<T>(
     peer: SocketAddr,
     slots: SessionSlots,
 ) where
-    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: mux::Link,
 {
     let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let (session, mut incoming, driver) = mux::start(io, Role::Server, &shared.mux);

@@ -289,6 +289,64 @@ where
     }
 }
 
+/// The production link under a multiplexer session: a chunk is one binary message's payload, a
+/// batch goes out as one binary message, and the keepalive runs on every receive attempt.
+impl<S> crate::mux::Link for WsByteStream<S>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+        loop {
+            if let Err(e) = self.poll_keepalive(cx) {
+                return Poll::Ready(Some(Err(e)));
+            }
+            let message = match ready!(Pin::new(&mut self.ws).poll_next(cx)) {
+                None => return Poll::Ready(None),
+                Some(Err(e)) => return Poll::Ready(Some(Err(ws_to_io(e)))),
+                Some(Ok(message)) => message,
+            };
+            if let Some(keepalive) = self.keepalive.as_mut() {
+                keepalive.heard_from_peer();
+            }
+            match message {
+                Message::Binary(data) if !data.is_empty() => return Poll::Ready(Some(Ok(data))),
+                // tungstenite answers pings itself; pongs only prove the peer is alive.
+                Message::Binary(_) | Message::Ping(_) | Message::Pong(_) => {}
+                Message::Close(_) => return Poll::Ready(None),
+                Message::Text(_) | Message::Frame(_) => {
+                    return Poll::Ready(Some(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "peer sent a text message; the tunnel carries binary messages only",
+                    ))));
+                }
+            }
+        }
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.ws).poll_ready(cx).map_err(ws_to_io)
+    }
+
+    fn start_send(&mut self, batch: Bytes) -> io::Result<()> {
+        Pin::new(&mut self.ws).start_send(Message::Binary(batch)).map_err(ws_to_io)
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(Pin::new(&mut self.ws).poll_flush(cx)).map_err(ws_to_io)?;
+        self.needs_flush = false;
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match ready!(Pin::new(&mut self.ws).poll_close(cx)) {
+            Ok(()) | Err(tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed) => {
+                Poll::Ready(Ok(()))
+            }
+            Err(e) => Poll::Ready(Err(ws_to_io(e))),
+        }
+    }
+}
+
 /// Maps a WebSocket error to the I/O error the multiplexer understands.
 fn ws_to_io(e: tungstenite::Error) -> io::Error {
     match e {

@@ -23,6 +23,9 @@ struct Bins {
     gateway_admin: SocketAddr,
     agent_admin: SocketAddr,
     node: SocketAddr,
+    /// A node-side server that writes forever, and the connections it holds.
+    firehose: SocketAddr,
+    firehose_open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Gateway and agent binaries with dev credentials; the frontend uses mutual TLS if `mtls`.
@@ -34,6 +37,7 @@ async fn start(mtls: bool, grace: &str) -> Bins {
     let client_cert = ca.client("kas", "kube-apiserver").unwrap();
     let (listener, node) = node_listener().await;
     backends::spawn_http(listener, "node-1".into());
+    let (firehose, firehose_open) = crate::support::firehose().await;
 
     let frontend = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let gateway_admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -80,8 +84,11 @@ async fn start(mtls: bool, grace: &str) -> Bins {
             "reconnect_max": "1s",
         },
         "admin_listen": agent_admin.to_string(),
-        "identifiers": { "addresses": [node.ip().to_string()] },
-        "allow": [{ "cidr": format!("{}/32", node.ip()), "ports": [node.port()] }],
+        "identifiers": { "addresses": [node.ip().to_string(), firehose.ip().to_string()] },
+        "allow": [
+            { "cidr": format!("{}/32", node.ip()), "ports": [node.port()] },
+            { "cidr": format!("{}/32", firehose.ip()), "ports": [firehose.port()] },
+        ],
     });
     let agent_file = dir.path().join("agent.yaml");
     std::fs::write(&agent_file, serde_json::to_string_pretty(&agent_config).unwrap()).unwrap();
@@ -111,7 +118,20 @@ async fn start(mtls: bool, grace: &str) -> Bins {
         "agent not ready:\n{}",
         agent.log_text()
     );
-    Bins { dir, ca, client_cert, gateway, agent, frontend, uds, gateway_admin, agent_admin, node }
+    Bins {
+        dir,
+        ca,
+        client_cert,
+        gateway,
+        agent,
+        frontend,
+        uds,
+        gateway_admin,
+        agent_admin,
+        node,
+        firehose,
+        firehose_open,
+    }
 }
 
 fn curl(args: &[&str]) -> (bool, String, String) {
@@ -235,9 +255,14 @@ async fn sigterm_drains_streams_then_exits() {
         }
     }
     assert!(drained, "readyz must report draining");
-    // New connections are no longer accepted.
-    let refused = tokio::net::TcpStream::connect(bins.frontend).await;
-    assert!(refused.is_err(), "the frontend must stop accepting");
+    // New connections are no longer accepted (readiness turns first, the listeners close right
+    // after it).
+    let frontend = bins.frontend;
+    let refused = tether_e2e::bins::eventually(Duration::from_secs(2), async || {
+        tokio::net::TcpStream::connect(frontend).await.is_err()
+    })
+    .await;
+    assert!(refused, "the frontend must stop accepting");
     // The open tunnel keeps working within the grace period.
     open.write_all(b"GET /during-drain HTTP/1.1\r\nHost: n\r\n\r\n").await.unwrap();
     let mut response = String::new();
@@ -340,4 +365,61 @@ async fn a_renewed_certificate_is_picked_up_without_a_restart() {
     // The agent's session and tunnels were untouched.
     let (status, _) = http_get(bins.agent_admin, "/readyz").await.unwrap();
     assert_eq!(status, 200);
+}
+
+/// An interrupted `kubectl logs -f` or `exec` (the kube-apiserver's connection goes away with data
+/// unread) frees the stream on both sides and closes the node-side connection completely, over
+/// the Unix-socket and the mutual-TLS frontends, however the race between the two directions goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_downloads_free_the_stream_and_the_node_side_connection() {
+    use std::sync::atomic::Ordering;
+    let bins = start(true, "5s").await;
+    let target = bins.firehose.to_string();
+    let roots = tether_tunnel::tls::ClientRoots { ca_file: Some(bins.ca.ca_cert.clone()), system_roots: false };
+    let client_tls =
+        tether_tunnel::tls::client_config(&roots, Some((&bins.client_cert.cert, &bins.client_cert.key)), &[]).unwrap();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(client_tls));
+    for round in 0..3 {
+        let mut clients = Vec::new();
+        for i in 0..20 {
+            let (target, uds, frontend, connector) =
+                (target.clone(), bins.uds.clone(), bins.frontend, connector.clone());
+            clients.push(tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let tunnel = tether_loadtest::connect_client::connect_uds(&uds, &target).await.unwrap().unwrap();
+                    crate::support::read_a_little_then_abort(tunnel).await;
+                } else {
+                    let tcp = tokio::net::TcpStream::connect(frontend).await.unwrap();
+                    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+                    let tls = connector.connect(name, tcp).await.unwrap();
+                    let tunnel = tether_loadtest::connect_client::connect_via(tls, &target).await.unwrap().unwrap();
+                    crate::support::read_a_little_then_abort(tunnel).await;
+                }
+            }));
+        }
+        for client in clients {
+            client.await.unwrap();
+        }
+        let (gateway_admin, agent_admin, port) = (bins.gateway_admin, bins.agent_admin, bins.firehose.port());
+        let open = bins.firehose_open.clone();
+        let all_freed = tether_e2e::bins::eventually(Duration::from_secs(5), async || {
+            let gateway = http_get(gateway_admin, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+            let agent = http_get(agent_admin, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+            metric_sum(&gateway, "tether_gateway_streams_open", "") == 0.0
+                && metric_sum(&agent, "tether_agent_streams_open", "") == 0.0
+                && open.load(Ordering::SeqCst) == 0
+                && crate::support::sockets_on_port(port).is_empty()
+        })
+        .await;
+        let gateway = http_get(gateway_admin, "/metrics").await.unwrap().1;
+        let agent = http_get(agent_admin, "/metrics").await.unwrap().1;
+        assert!(
+            all_freed,
+            "round {round}: gateway streams open {}, agent streams open {}, node-side server connections {}, sockets {:?}",
+            metric_sum(&gateway, "tether_gateway_streams_open", ""),
+            metric_sum(&agent, "tether_agent_streams_open", ""),
+            open.load(Ordering::SeqCst),
+            crate::support::sockets_on_port(port)
+        );
+    }
 }

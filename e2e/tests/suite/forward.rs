@@ -175,3 +175,51 @@ async fn the_listener_stays_bound_across_a_gateway_restart() {
     assert!(response.contains("hello from kube-apiserver: you asked for /version"), "{response}");
     d.shutdown().await;
 }
+
+/// A node-side client that goes away with data unread (an RST) frees the forward stream on both
+/// sides and closes the control-plane connection, even while the control plane is writing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_forwarded_connection_frees_both_sides() {
+    use std::sync::atomic::Ordering;
+    let (control_plane, open) = crate::support::firehose().await;
+    let d = deployment("fwd-abort", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)])).await;
+    let listener = listener_for(&d, "kube-apiserver");
+    let clients: Vec<_> = (0..20)
+        .map(|_| {
+            tokio::spawn(async move {
+                crate::support::read_a_little_then_abort(TcpStream::connect(listener).await.unwrap()).await;
+            })
+        })
+        .collect();
+    for client in clients {
+        client.await.unwrap();
+    }
+    let admin = d.admin_addr;
+    let freed = tether_e2e::bins::eventually(Duration::from_secs(5), async || {
+        // One process: the gateway's admin endpoint renders the agent's metrics too.
+        let metrics = http_get(admin, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+        metric_sum(&metrics, "tether_gateway_forwards_open", "") == 0.0
+            && metric_sum(&metrics, "tether_agent_forwards_open", "") == 0.0
+            && open.load(Ordering::SeqCst) == 0
+            && crate::support::sockets_on_port(control_plane.port()).is_empty()
+    })
+    .await;
+    let (_, metrics) = http_get(admin, "/metrics").await.unwrap();
+    assert!(
+        freed,
+        "gateway forwards open {}, agent forwards open {}, control-plane connections {}, sockets {:?}",
+        metric_sum(&metrics, "tether_gateway_forwards_open", ""),
+        metric_sum(&metrics, "tether_agent_forwards_open", ""),
+        open.load(Ordering::SeqCst),
+        crate::support::sockets_on_port(control_plane.port())
+    );
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-abort\",target=\"kube-apiserver\",result=\"ok\""
+        ),
+        20.0
+    );
+    d.shutdown().await;
+}

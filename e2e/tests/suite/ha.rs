@@ -423,3 +423,55 @@ async fn bench_ha() {
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-ha.json");
     std::fs::write(out, serde_json::to_string_pretty(&json).unwrap()).unwrap();
 }
+
+/// An interrupted download through a replica that forwards the dial to the replica holding the
+/// agent frees the stream on every replica and on the agent, and closes the node-side connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_download_forwarded_through_a_peer_replica_frees_everything() {
+    let cluster = Cluster::start(2, 2).await;
+    let (firehose, open) = crate::support::firehose().await;
+    let agent = cluster.agent("node-0", firehose, "one").await;
+    assert!(eventually(Duration::from_secs(30), async || agent.state.server_ids().len() == 1).await);
+    let holder = agent.state.server_ids()[0].clone();
+    let other = if holder == "gw-0" { 1 } else { 0 };
+    let via = cluster.replicas[other];
+    // The other replica learns from its peer's inventory (refreshed every 300 ms).
+    assert!(
+        eventually(Duration::from_secs(10), async || {
+            matches!(http_get(via.admin, "/readyz/tenant/ha").await, Ok((200, _)))
+        })
+        .await
+    );
+    for _ in 0..10 {
+        let tunnel = connect_tcp(via.frontend, &firehose.to_string()).await.unwrap().unwrap();
+        crate::support::read_a_little_then_abort(tunnel).await;
+    }
+    let replicas = cluster.running_replicas();
+    let agent_admin = agent.admin.unwrap();
+    let freed = eventually(Duration::from_secs(5), async || {
+        let mut streams = 0.0;
+        for replica in &replicas {
+            let metrics = http_get(replica.admin, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+            streams += metric_sum(&metrics, "tether_gateway_streams_open", "");
+        }
+        let agent_metrics = http_get(agent_admin, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+        streams == 0.0
+            && metric_sum(&agent_metrics, "tether_agent_streams_open", "") == 0.0
+            && open.load(Ordering::SeqCst) == 0
+            && crate::support::sockets_on_port(firehose.port()).is_empty()
+    })
+    .await;
+    assert!(
+        freed,
+        "node-side connections {}, sockets {:?}\n{}",
+        open.load(Ordering::SeqCst),
+        crate::support::sockets_on_port(firehose.port()),
+        cluster.diagnostics()
+    );
+    let (_, metrics) = http_get(cluster.replicas[other ^ 1].admin, "/metrics").await.unwrap();
+    assert_eq!(
+        metric_sum(&metrics, "tether_gateway_peer_dials_total", "result=\"ok\""),
+        10.0,
+        "the dials were forwarded"
+    );
+}

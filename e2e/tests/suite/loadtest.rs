@@ -238,8 +238,9 @@ fn mux_compare_smoke() {
         "256",
     ]);
     positive(&result, "baseline", "direct_1_streams_mib_s");
-    positive(&result, "tunnel", "yamux_1_streams_mib_s");
-    positive(&result, "tunnel", "yamux_2_streams_mib_s");
+    positive(&result, "tunnel", "tether_mux_1_streams_mib_s");
+    positive(&result, "tunnel", "tether_mux_2_streams_mib_s");
+    positive(&result, "tunnel", "yamux_crate_2_streams_mib_s");
     positive(&result, "tunnel", "tokio_yamux_256k_2_streams_mib_s");
     positive(&result, "tunnel", "wss_no_mux_1_streams_mib_s");
     check_svg(&dir, "mux-compare.svg");

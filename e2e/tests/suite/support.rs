@@ -45,3 +45,61 @@ pub async fn one_agent_echo() -> (LocalDeployment, SocketAddr) {
     deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
     (deployment, echo)
 }
+
+/// A node-side server that answers every connection with an endless stream (like `logs -f`):
+/// it reads whatever the client sends first, then writes until a write fails. Returns its address
+/// and the number of connections it holds open right now.
+pub async fn firehose() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (listener, addr) = node_listener().await;
+    let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = open.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let counter = counter.clone();
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut request = [0u8; 256];
+                if stream.read(&mut request).await.is_ok() {
+                    let chunk = tether_loadtest::backends::pattern(64 * 1024);
+                    while stream.write_all(&chunk).await.is_ok() {}
+                }
+                counter.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (addr, open)
+}
+
+/// TCP sockets with local port `port` in any state but LISTEN, as `ss` sees them (CLOSE-WAIT
+/// and FIN-WAIT-2 included).
+pub fn sockets_on_port(port: u16) -> Vec<String> {
+    let output = std::process::Command::new("ss")
+        .args(["-Htan", "state", "all", &format!("( sport = :{port} )")])
+        .output()
+        .expect("ss (iproute2)");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("LISTEN"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Reads some of an endless answer through `stream`, then goes away without reading the rest,
+/// as an interrupted `kubectl logs -f` does (an RST, since unread data is left behind).
+pub async fn read_a_little_then_abort<S>(mut stream: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream.write_all(b"GET /containerLogs/default/app/app?follow=true HTTP/1.1\r\nHost: node\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut got = 0;
+    while got < 100 * 1024 {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "the endless answer ended");
+        got += n;
+    }
+    drop(stream);
+}

@@ -149,6 +149,7 @@ impl Fleet {
 /// A running in-process agent.
 pub struct RunningAgent {
     pub state: std::sync::Arc<AgentState>,
+    pub admin: Option<SocketAddr>,
     pub stop: CancellationToken,
     pub token_file: PathBuf,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
@@ -158,9 +159,9 @@ impl RunningAgent {
     pub async fn start(config: AgentConfig) -> Self {
         let token_file = config.gateway.token_file.clone();
         let agent = Agent::bind(config, tether_tunnel::telemetry::install_metrics().ok()).await.unwrap();
-        let (state, stop) = (agent.state(), agent.stop_token());
+        let (state, stop, admin) = (agent.state(), agent.stop_token(), agent.admin_addr());
         let task = tokio::spawn(agent.run(std::future::pending()));
-        Self { state, stop, token_file, task }
+        Self { state, stop, admin, token_file, task }
     }
 
     pub async fn wait_live(&self, timeout: Duration) -> bool {

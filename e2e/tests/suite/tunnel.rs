@@ -226,8 +226,9 @@ async fn a_streams_window_grows_to_fill_a_long_link() {
         let (far_read, far_write) = tokio::io::split(far);
         tokio::spawn(pipe(near_read, far_write, delay));
         tokio::spawn(pipe(far_read, near_write, delay));
-        let (client, _client_in, client_driver) = mux::start(client_io, Role::Client, &settings);
-        let (_server, mut server_in, server_driver) = mux::start(server_io, Role::Server, &settings);
+        let (client, _client_in, client_driver) = mux::start(mux::ByteLink::new(client_io), Role::Client, &settings);
+        let (_server, mut server_in, server_driver) =
+            mux::start(mux::ByteLink::new(server_io), Role::Server, &settings);
         tokio::spawn(client_driver);
         tokio::spawn(server_driver);
 

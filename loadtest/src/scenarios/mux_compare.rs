@@ -1,7 +1,8 @@
 //! `mux-compare`: the multiplexer choice, measured. Bulk download over one and over eight
-//! streams with yamux (what the tunnel uses, through `tether_tunnel::mux`) and with tokio-yamux,
-//! both over the same stack as the tunnel (WebSocket byte stream over TLS over loopback TCP), next
-//! to direct TCP and to the WebSocket stream without a multiplexer, all in one run.
+//! streams with Tether's multiplexer (`tether_tunnel::mux`, yamux's wire format), with the `yamux`
+//! crate (tuned as the tunnel used it before) and with tokio-yamux, all over the same stack as the
+//! tunnel (WebSocket over TLS over loopback TCP), next to direct TCP and to the WebSocket stream
+//! without a multiplexer, all in one run.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -42,9 +43,12 @@ pub struct MuxCompareArgs {
     /// tokio-yamux stream windows to try, KiB (at least 256: smaller windows panic).
     #[arg(long, value_delimiter = ',', default_value = "256,4096")]
     pub tokio_yamux_windows_kib: Vec<u32>,
-    /// yamux `split_send_size` values to try, KiB (the tunnel's default is 64).
+    /// Frame sizes (`split_send_size`) to try with Tether's multiplexer, KiB (the default is 64).
     #[arg(long, value_delimiter = ',', default_value = "64")]
-    pub yamux_split_kib: Vec<usize>,
+    pub mux_split_kib: Vec<usize>,
+    /// Also measure the `yamux` crate (what the tunnel used before its own multiplexer).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub yamux_crate: bool,
     /// What the multiplexers run over: `wss` (the tunnel's stack) or `tcp` (plain loopback TCP,
     /// to separate the multiplexer from the WebSocket and TLS layers).
     #[arg(long, default_value = "wss")]
@@ -60,11 +64,12 @@ type BoxIo = Box<dyn Io>;
 enum Stack {
     Direct,
     WsOnly,
-    Yamux(usize),
+    Tether(usize),
+    YamuxCrate,
     TokioYamux(u32),
 }
 
-/// The tunnel's own frame size: yamux with it is labelled plainly "yamux".
+/// The tunnel's own frame size: Tether's multiplexer with it is labelled plainly.
 fn tunnel_split_kib() -> usize {
     MuxSettings::default().split_send_size / 1024
 }
@@ -74,8 +79,9 @@ impl Stack {
         match self {
             Self::Direct => "direct".into(),
             Self::WsOnly => "wss_no_mux".into(),
-            Self::Yamux(kib) if kib == tunnel_split_kib() => "yamux".into(),
-            Self::Yamux(kib) => format!("yamux_split_{kib}k"),
+            Self::Tether(kib) if kib == tunnel_split_kib() => "tether_mux".into(),
+            Self::Tether(kib) => format!("tether_mux_split_{kib}k"),
+            Self::YamuxCrate => "yamux_crate".into(),
             Self::TokioYamux(kib) => format!("tokio_yamux_{kib}k"),
         }
     }
@@ -84,11 +90,85 @@ impl Stack {
         match self {
             Self::Direct => "direct TCP".into(),
             Self::WsOnly => "no mux".into(),
-            Self::Yamux(kib) if kib == tunnel_split_kib() => "yamux (tether)".into(),
-            Self::Yamux(kib) => format!("yamux, {kib} KiB frames"),
+            Self::Tether(kib) if kib == tunnel_split_kib() => "tether mux".into(),
+            Self::Tether(kib) => format!("tether mux, {kib} KiB frames"),
+            Self::YamuxCrate => "yamux crate".into(),
             Self::TokioYamux(kib) => format!("tokio-yamux {kib} KiB window"),
         }
     }
+}
+
+/// One end of a connected pair: Tether's multiplexer runs on a WebSocket link directly (as in the
+/// tunnel) and on plain TCP through [`mux::ByteLink`]; the others see a byte stream.
+enum End {
+    Tcp(TcpStream),
+    Ws(Box<WsByteStream<Transport>>),
+}
+
+impl End {
+    fn into_io(self) -> BoxIo {
+        match self {
+            Self::Tcp(tcp) => Box::new(tcp),
+            Self::Ws(ws) => ws,
+        }
+    }
+
+    fn start_mux(self, role: Role, settings: &MuxSettings) -> (mux::Session, mux::Incoming, mux::Driver) {
+        match self {
+            Self::Tcp(tcp) => mux::start(mux::ByteLink::new(tcp), role, settings),
+            Self::Ws(ws) => mux::start(*ws, role, settings),
+        }
+    }
+}
+
+/// The `yamux` crate tuned as the tunnel used it: 64 KiB frames, and room for windows to grow.
+fn yamux_crate_config() -> yamux::Config {
+    let mut config = yamux::Config::default();
+    let streams = 8192;
+    config.set_max_connection_receive_window(None);
+    config.set_max_num_streams(streams);
+    config.set_max_connection_receive_window(Some(streams * 256 * 1024 + tether_tunnel::mux::DEFAULT_WINDOW_GROWTH));
+    config.set_split_send_size(64 * 1024);
+    config
+}
+
+/// Drives a `yamux` crate connection: opens `streams` streams (client) or serves downloads on the
+/// streams the peer opens (server).
+async fn run_yamux_crate(
+    io: BoxIo,
+    mode: yamux::Mode,
+    open: Option<(usize, tokio::sync::oneshot::Sender<Vec<yamux::Stream>>)>,
+) {
+    use tokio_util::compat::{FuturesAsyncReadCompatExt, TokioAsyncReadCompatExt};
+    let mut connection = yamux::Connection::new(io.compat(), yamux_crate_config(), mode);
+    let mut open = open;
+    let mut opened = Vec::new();
+    futures::future::poll_fn(|cx| {
+        if let Some((count, _)) = &open {
+            while opened.len() < *count {
+                match connection.poll_new_outbound(cx) {
+                    std::task::Poll::Ready(Ok(stream)) => opened.push(stream),
+                    std::task::Poll::Ready(Err(_)) => return std::task::Poll::Ready(()),
+                    std::task::Poll::Pending => break,
+                }
+            }
+            if opened.len() >= *count
+                && let Some((_, reply)) = open.take()
+            {
+                let _ = reply.send(std::mem::take(&mut opened));
+            }
+        }
+        loop {
+            match connection.poll_next_inbound(cx) {
+                std::task::Poll::Ready(Some(Ok(stream))) => {
+                    tokio::spawn(serve_download(stream.compat()));
+                }
+                std::task::Poll::Ready(_) => return std::task::Poll::Ready(()),
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+            }
+        }
+    })
+    .await;
 }
 
 struct Tls {
@@ -115,18 +195,18 @@ impl Tls {
     }
 
     /// A connected pair over `transport`: (client end, server end).
-    async fn pair(&self, transport: &str) -> anyhow::Result<(BoxIo, BoxIo)> {
+    async fn pair(&self, transport: &str) -> anyhow::Result<(End, End)> {
         if transport == "tcp" {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let client = TcpStream::connect(listener.local_addr()?).await?;
             let (server, _) = listener.accept().await?;
             let _ = client.set_nodelay(true);
             let _ = server.set_nodelay(true);
-            return Ok((Box::new(client), Box::new(server)));
+            return Ok((End::Tcp(client), End::Tcp(server)));
         }
         anyhow::ensure!(transport == "wss", "--transport {transport}: use wss or tcp");
         let (client, server) = self.wss_pair().await?;
-        Ok((Box::new(client), Box::new(server)))
+        Ok((End::Ws(Box::new(client)), End::Ws(Box::new(server))))
     }
 
     /// A WebSocket byte stream over TLS over loopback TCP: (client end, server end).
@@ -262,13 +342,26 @@ async fn measure(
         }
         Stack::WsOnly => {
             let (client, server) = tls.pair(transport).await?;
-            background.push(tokio::spawn(serve_download(server)));
-            download(vec![client], duration, progress, &label).await?
+            background.push(tokio::spawn(serve_download(server.into_io())));
+            download(vec![client.into_io()], duration, progress, &label).await?
         }
-        Stack::Yamux(split_kib) => {
+        Stack::YamuxCrate => {
+            let (client, server) = tls.pair(transport).await?;
+            background.push(tokio::spawn(run_yamux_crate(server.into_io(), yamux::Mode::Server, None)));
+            let (reply, opened) = tokio::sync::oneshot::channel();
+            background.push(tokio::spawn(run_yamux_crate(
+                client.into_io(),
+                yamux::Mode::Client,
+                Some((streams, reply)),
+            )));
+            use tokio_util::compat::FuturesAsyncReadCompatExt;
+            let opened: Vec<_> = opened.await?.into_iter().map(|s| s.compat()).collect();
+            download(opened, duration, progress, &label).await?
+        }
+        Stack::Tether(split_kib) => {
             let (client, server) = tls.pair(transport).await?;
             let settings = MuxSettings { split_send_size: split_kib * 1024, ..MuxSettings::default() };
-            let (_server_session, mut incoming, server_driver) = mux::start(server, Role::Server, &settings);
+            let (_server_session, mut incoming, server_driver) = server.start_mux(Role::Server, &settings);
             background.push(tokio::spawn(async move {
                 let _ = server_driver.await;
             }));
@@ -277,7 +370,7 @@ async fn measure(
                     tokio::spawn(serve_download(stream));
                 }
             }));
-            let (session, _incoming, driver) = mux::start(client, Role::Client, &settings);
+            let (session, _incoming, driver) = client.start_mux(Role::Client, &settings);
             background.push(tokio::spawn(async move {
                 let _ = driver.await;
             }));
@@ -296,13 +389,13 @@ async fn measure(
                 enable_keepalive: false,
                 ..tokio_yamux::Config::default()
             };
-            let mut server_session = tokio_yamux::Session::new_server(server, config);
+            let mut server_session = tokio_yamux::Session::new_server(server.into_io(), config);
             background.push(tokio::spawn(async move {
                 while let Some(Ok(stream)) = server_session.next().await {
                     tokio::spawn(serve_download(stream));
                 }
             }));
-            let mut client_session = tokio_yamux::Session::new_client(client, config);
+            let mut client_session = tokio_yamux::Session::new_client(client.into_io(), config);
             let mut control = client_session.control();
             background.push(tokio::spawn(async move { while client_session.next().await.is_some() {} }));
             let mut opened = Vec::new();
@@ -328,7 +421,10 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
     let tls = Tls::create()?;
     let duration = Duration::from_secs_f64(args.duration.max(0.2));
     let mut stacks = vec![Stack::Direct, Stack::WsOnly];
-    stacks.extend(args.yamux_split_kib.iter().map(|k| Stack::Yamux((*k).clamp(16, 1024))));
+    stacks.extend(args.mux_split_kib.iter().map(|k| Stack::Tether((*k).clamp(16, 1024))));
+    if args.yamux_crate {
+        stacks.push(Stack::YamuxCrate);
+    }
     stacks.extend(args.tokio_yamux_windows_kib.iter().map(|w| Stack::TokioYamux((*w).max(256))));
     let mut results: BTreeMap<(Stack, usize), Vec<Measured>> = BTreeMap::new();
     for _ in 0..args.repeat.max(1) {
@@ -347,7 +443,8 @@ pub async fn run(args: &MuxCompareArgs, progress: &Progress) -> anyhow::Result<O
         "local",
         serde_json::json!({
             "duration_s": args.duration, "repeat": args.repeat, "streams": args.streams,
-            "tokio_yamux_windows_kib": args.tokio_yamux_windows_kib, "yamux_split_kib": args.yamux_split_kib,
+            "tokio_yamux_windows_kib": args.tokio_yamux_windows_kib, "mux_split_kib": args.mux_split_kib,
+            "yamux_crate": args.yamux_crate,
             "transport": args.transport,
             "stack": if args.transport == "tcp" { "plain loopback TCP" } else { "WebSocket byte stream (tether_tunnel::ws) over TLS (rustls, aws-lc-rs) over loopback TCP" },
         }),

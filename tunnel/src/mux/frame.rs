@@ -1,0 +1,390 @@
+//! yamux frames (the HashiCorp yamux specification), sans-IO: a 12-byte header, then, for data
+//! frames only, `length` bytes of body.
+//!
+//! ```text
+//! +---------+--------+---------+-------------+-------------+
+//! | version | type   | flags   | stream id   | length      |
+//! | u8 (0)  | u8     | u16 BE  | u32 BE      | u32 BE      |
+//! +---------+--------+---------+-------------+-------------+
+//! ```
+//!
+//! [`FrameReader`] cuts frames out of the chunks a link delivers. A body that lies within one chunk
+//! is handed on as a slice of it (no copy); only frames that straddle two chunks are copied, and
+//! small bodies are copied out so that they do not pin a large chunk in memory.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// Bytes in a frame header.
+pub const HEADER_LEN: usize = 12;
+/// The only protocol version.
+pub const VERSION: u8 = 0;
+/// The receive window every stream starts with, on both sides (fixed by the specification).
+pub const DEFAULT_WINDOW: u32 = 256 * 1024;
+/// Largest data-frame body accepted or sent (rust-yamux refuses larger ones too).
+pub const MAX_BODY: u32 = 1024 * 1024;
+
+/// Frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Stream data (the body follows the header).
+    Data,
+    /// More send credit for a stream (`length` is the increment).
+    WindowUpdate,
+    /// Liveness and round-trip probe (`length` is an opaque value echoed back).
+    Ping,
+    /// The session is ending (`length` is a [`GoAway`] code).
+    GoAway,
+}
+
+impl Kind {
+    fn code(self) -> u8 {
+        match self {
+            Self::Data => 0,
+            Self::WindowUpdate => 1,
+            Self::Ping => 2,
+            Self::GoAway => 3,
+        }
+    }
+}
+
+/// Header flags.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+pub struct Flags(pub u16);
+
+impl Flags {
+    /// No flag.
+    pub const NONE: Self = Self(0);
+    /// Opens a stream.
+    pub const SYN: Self = Self(1);
+    /// Acknowledges a stream (or answers a ping).
+    pub const ACK: Self = Self(2);
+    /// Half-close: the sender sends no more data on the stream.
+    pub const FIN: Self = Self(4);
+    /// Aborts the stream in both directions.
+    pub const RST: Self = Self(8);
+
+    /// Whether every flag in `other` is set.
+    pub fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for Flags {
+    type Output = Self;
+    fn bitor(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+}
+
+impl std::fmt::Debug for Flags {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = [(Self::SYN, "SYN"), (Self::ACK, "ACK"), (Self::FIN, "FIN"), (Self::RST, "RST")];
+        let set: Vec<&str> = names.iter().filter(|(flag, _)| self.contains(*flag)).map(|(_, n)| *n).collect();
+        write!(f, "{}", if set.is_empty() { "-".to_owned() } else { set.join("|") })
+    }
+}
+
+/// `GoAway` codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GoAway {
+    /// Normal termination.
+    Normal,
+    /// The peer broke the protocol.
+    ProtocolError,
+    /// An internal error.
+    InternalError,
+}
+
+impl GoAway {
+    /// The wire value.
+    pub fn code(self) -> u32 {
+        match self {
+            Self::Normal => 0,
+            Self::ProtocolError => 1,
+            Self::InternalError => 2,
+        }
+    }
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// The frame type.
+    pub kind: Kind,
+    /// Its flags.
+    pub flags: Flags,
+    /// The stream (0 for session-level frames).
+    pub stream_id: u32,
+    /// Body length (data), window increment (window update), opaque value (ping) or code (go away).
+    pub length: u32,
+}
+
+/// Why bytes are not a frame header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// A version other than 0.
+    #[error("unsupported multiplexer version {0}")]
+    Version(u8),
+    /// A type other than the four defined.
+    #[error("unknown multiplexer frame type {0}")]
+    Kind(u8),
+    /// A data frame longer than [`MAX_BODY`].
+    #[error("multiplexer frame of {0} bytes is larger than {MAX_BODY}")]
+    TooLarge(u32),
+}
+
+impl Header {
+    /// A data frame header for `length` body bytes.
+    pub fn data(stream_id: u32, length: u32, flags: Flags) -> Self {
+        Self { kind: Kind::Data, flags, stream_id, length }
+    }
+
+    /// A window update granting `increment` more bytes.
+    pub fn window_update(stream_id: u32, increment: u32, flags: Flags) -> Self {
+        Self { kind: Kind::WindowUpdate, flags, stream_id, length: increment }
+    }
+
+    /// A ping (or, with [`Flags::ACK`], the answer to one).
+    pub fn ping(opaque: u32, flags: Flags) -> Self {
+        Self { kind: Kind::Ping, flags, stream_id: 0, length: opaque }
+    }
+
+    /// A go-away with `code`.
+    pub fn go_away(code: GoAway) -> Self {
+        Self { kind: Kind::GoAway, flags: Flags::NONE, stream_id: 0, length: code.code() }
+    }
+
+    /// Bytes of body that follow this header.
+    pub fn body_len(&self) -> usize {
+        if self.kind == Kind::Data { self.length as usize } else { 0 }
+    }
+
+    /// The 12 header bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0] = VERSION;
+        out[1] = self.kind.code();
+        out[2..4].copy_from_slice(&self.flags.0.to_be_bytes());
+        out[4..8].copy_from_slice(&self.stream_id.to_be_bytes());
+        out[8..12].copy_from_slice(&self.length.to_be_bytes());
+        out
+    }
+
+    /// Parses and checks 12 header bytes.
+    pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<Self, FrameError> {
+        if bytes[0] != VERSION {
+            return Err(FrameError::Version(bytes[0]));
+        }
+        let kind = match bytes[1] {
+            0 => Kind::Data,
+            1 => Kind::WindowUpdate,
+            2 => Kind::Ping,
+            3 => Kind::GoAway,
+            other => return Err(FrameError::Kind(other)),
+        };
+        let word = |at: usize| u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        let header =
+            Self { kind, flags: Flags(u16::from_be_bytes([bytes[2], bytes[3]])), stream_id: word(4), length: word(8) };
+        if kind == Kind::Data && header.length > MAX_BODY {
+            return Err(FrameError::TooLarge(header.length));
+        }
+        Ok(header)
+    }
+}
+
+/// Appends a frame (header, then `body`) to `out`.
+pub fn put_frame(out: &mut BytesMut, header: Header, body: &[u8]) {
+    out.put_slice(&header.encode());
+    out.put_slice(body);
+}
+
+/// A frame cut out of the byte stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Its header.
+    pub header: Header,
+    /// The body (data frames only; empty otherwise).
+    pub body: Bytes,
+}
+
+/// Cuts frames out of the chunks of the peer's byte stream. Push a chunk, then take frames until
+/// [`next_frame`](Self::next_frame) answers `None`, then push the next chunk.
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    /// A frame that straddles chunks, being completed.
+    partial: BytesMut,
+    /// What is left of the current chunk.
+    rest: Bytes,
+    /// Length of the current chunk, to judge what a slice of it would pin.
+    chunk_len: usize,
+}
+
+impl FrameReader {
+    /// A reader with nothing buffered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the next chunk; call after [`next_frame`](Self::next_frame) has answered `None`.
+    pub fn push(&mut self, chunk: Bytes) {
+        if !self.rest.is_empty() {
+            // Not expected (the previous chunk was not drained), but still correct.
+            let rest = std::mem::take(&mut self.rest);
+            self.partial.extend_from_slice(&rest);
+        }
+        self.chunk_len = chunk.len();
+        self.rest = chunk;
+    }
+
+    /// Bytes held for a frame that is not complete yet (bounded by one frame).
+    pub fn buffered(&self) -> usize {
+        self.partial.len() + self.rest.len()
+    }
+
+    /// The next complete frame, `None` when more bytes are needed, or an error for a header that
+    /// is not valid (the session must end: the stream cannot be resynchronised).
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if !self.partial.is_empty() {
+            return self.complete_partial();
+        }
+        if self.rest.len() < HEADER_LEN {
+            self.stash_rest(HEADER_LEN);
+            return Ok(None);
+        }
+        let header = Header::decode(head(&self.rest))?;
+        let total = HEADER_LEN + header.body_len();
+        if self.rest.len() < total {
+            self.stash_rest(total);
+            return Ok(None);
+        }
+        let mut frame = self.rest.split_to(total);
+        let body = frame.split_off(HEADER_LEN);
+        // A small body would pin its whole chunk for as long as the stream keeps it: copy it out.
+        let body = if body.len() * 4 >= self.chunk_len { body } else { Bytes::copy_from_slice(&body) };
+        Ok(Some(Frame { header, body }))
+    }
+
+    /// Moves the end of the chunk into `partial`, which will grow to `expected` bytes.
+    fn stash_rest(&mut self, expected: usize) {
+        if self.rest.is_empty() {
+            return;
+        }
+        self.partial.reserve(expected);
+        self.partial.extend_from_slice(&self.rest);
+        self.rest = Bytes::new();
+    }
+
+    fn complete_partial(&mut self) -> Result<Option<Frame>, FrameError> {
+        if self.partial.len() < HEADER_LEN {
+            let take = (HEADER_LEN - self.partial.len()).min(self.rest.len());
+            self.partial.extend_from_slice(&self.rest.split_to(take));
+            if self.partial.len() < HEADER_LEN {
+                return Ok(None);
+            }
+        }
+        let header = Header::decode(head(&self.partial))?;
+        let total = HEADER_LEN + header.body_len();
+        let take = total.saturating_sub(self.partial.len()).min(self.rest.len());
+        self.partial.reserve(take);
+        self.partial.extend_from_slice(&self.rest.split_to(take));
+        if self.partial.len() < total {
+            return Ok(None);
+        }
+        let mut frame = std::mem::take(&mut self.partial);
+        let body = frame.split_off(HEADER_LEN).freeze();
+        Ok(Some(Frame { header, body }))
+    }
+}
+
+fn head(bytes: &[u8]) -> &[u8; HEADER_LEN] {
+    // Callers check the length first; an empty array is never reached.
+    bytes.first_chunk::<HEADER_LEN>().unwrap_or(&[0xff; HEADER_LEN])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame_bytes(header: Header, body: &[u8]) -> Vec<u8> {
+        let mut out = BytesMut::new();
+        put_frame(&mut out, header, body);
+        out.to_vec()
+    }
+
+    #[test]
+    fn headers_round_trip_and_match_the_specification_layout() {
+        let header = Header::data(7, 3, Flags::SYN | Flags::FIN);
+        let bytes = header.encode();
+        assert_eq!(bytes, [0, 0, 0, 5, 0, 0, 0, 7, 0, 0, 0, 3]);
+        assert_eq!(Header::decode(&bytes), Ok(header));
+        let ping = Header::ping(0xdead_beef, Flags::ACK);
+        assert_eq!(ping.encode(), [0, 2, 0, 2, 0, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef]);
+        assert_eq!(ping.body_len(), 0);
+        assert_eq!(Header::go_away(GoAway::ProtocolError).encode()[8..], [0, 0, 0, 1]);
+    }
+
+    #[test]
+    fn bad_headers_are_refused() {
+        let mut bytes = Header::data(1, 0, Flags::NONE).encode();
+        bytes[0] = 1;
+        assert_eq!(Header::decode(&bytes), Err(FrameError::Version(1)));
+        bytes[0] = 0;
+        bytes[1] = 9;
+        assert_eq!(Header::decode(&bytes), Err(FrameError::Kind(9)));
+        let big = Header::data(1, MAX_BODY + 1, Flags::NONE).encode();
+        assert_eq!(Header::decode(&big), Err(FrameError::TooLarge(MAX_BODY + 1)));
+        // A window update's length is an increment, not a body: any value is a valid header.
+        assert!(Header::decode(&Header::window_update(1, u32::MAX, Flags::NONE).encode()).is_ok());
+    }
+
+    #[test]
+    fn frames_are_cut_from_chunks_split_anywhere() {
+        let frames = [
+            (Header::data(1, 5, Flags::SYN), b"hello".to_vec()),
+            (Header::window_update(1, 1000, Flags::ACK), Vec::new()),
+            (Header::data(3, 70_000, Flags::NONE), vec![7u8; 70_000]),
+            (Header::ping(42, Flags::NONE), Vec::new()),
+            (Header::data(1, 0, Flags::FIN), Vec::new()),
+        ];
+        let mut stream = Vec::new();
+        for (header, body) in &frames {
+            stream.extend(frame_bytes(*header, body));
+        }
+        for chunk_size in [1, 5, 12, 13, 100, 4096, 70_012, stream.len()] {
+            let mut reader = FrameReader::new();
+            let mut got = Vec::new();
+            for chunk in stream.chunks(chunk_size) {
+                reader.push(Bytes::copy_from_slice(chunk));
+                while let Some(frame) = reader.next_frame().unwrap() {
+                    got.push((frame.header, frame.body.to_vec()));
+                }
+            }
+            assert_eq!(got, frames, "chunks of {chunk_size}");
+            assert_eq!(reader.buffered(), 0);
+        }
+    }
+
+    #[test]
+    fn a_body_inside_one_chunk_is_not_copied_but_a_small_one_is() {
+        let mut stream = frame_bytes(Header::data(1, 60_000, Flags::NONE), &[1u8; 60_000]);
+        stream.extend(frame_bytes(Header::data(3, 10, Flags::NONE), &[2u8; 10]));
+        let chunk = Bytes::from(stream);
+        let range = chunk.as_ptr_range();
+        let mut reader = FrameReader::new();
+        reader.push(chunk.clone());
+        let big = reader.next_frame().unwrap().unwrap();
+        assert!(range.contains(&big.body.as_ptr()), "a large body is a slice of the chunk");
+        let small = reader.next_frame().unwrap().unwrap();
+        assert!(!range.contains(&small.body.as_ptr()), "a small body is copied out");
+        assert_eq!(&small.body[..], &[2u8; 10]);
+    }
+
+    #[test]
+    fn an_invalid_header_is_reported_before_its_body_arrives() {
+        let mut reader = FrameReader::new();
+        let mut bytes = Header::data(1, MAX_BODY + 1, Flags::NONE).encode().to_vec();
+        bytes.truncate(12);
+        reader.push(Bytes::from(bytes));
+        assert!(matches!(reader.next_frame(), Err(FrameError::TooLarge(_))));
+    }
+}

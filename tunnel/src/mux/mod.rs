@@ -1,0 +1,918 @@
+//! The multiplexer session: many independent, flow-controlled streams over one link.
+//!
+//! The wire format is yamux (the HashiCorp specification; [`frame`]), so agents and gateways
+//! built on the `yamux` crate interoperate with this implementation. Tether has its own because of
+//! what a tunnel for kube-apiserver needs from the stream life cycle: a stream that is dropped
+//! before both sides have finished is *reset*, always, so the peer frees it at once. The `yamux`
+//! crate (0.14) sends nothing for a stream dropped after its write side was closed, and ignores data
+//! for streams it no longer knows: a peer blocked on credit for such a stream waited forever (an
+//! interrupted `kubectl logs -f` left the node-side connection open). It also copies and zero-fills
+//! every frame; here a frame body is a slice of the message it arrived in.
+//!
+//! Everything else sees [`Session`] (open streams, close), [`Incoming`] (accept streams) and
+//! [`MuxStream`] (a tokio `AsyncRead + AsyncWrite`). One task, the [`Driver`] returned by
+//! [`start`], owns the [`Link`]: it reads frames and hands data to streams, and sends the frames
+//! that streams queue in the session's output buffer, all queued frames in one batch (one
+//! WebSocket message, one TLS write) per round.
+//!
+//! Bounds: a stream's receive buffer is bounded by its window (256 KiB, grown while the reader
+//! keeps up, up to [`MAX_STREAM_WINDOW`], out of a per-session budget); writers wait while the
+//! output buffer holds [`OUT_HIGH_WATER`] bytes; the driver stops reading while control frames it
+//! owes the peer exceed [`OUT_HARD_LIMIT`]; inbound streams beyond the accept backlog or the stream
+//! limit are reset.
+
+pub mod frame;
+pub mod link;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures::future::poll_fn;
+use futures::task::AtomicWaker;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use frame::{DEFAULT_WINDOW, Flags, Frame, FrameReader, GoAway, Header, Kind, MAX_BODY, put_frame};
+pub use link::{ByteLink, Link};
+
+/// Which end of the session this is. The agent is the client (odd stream ids), the gateway the
+/// server (even ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The end that dialed the connection.
+    Client,
+    /// The end that accepted it.
+    Server,
+}
+
+/// Multiplexer tuning.
+#[derive(Debug, Clone)]
+pub struct MuxSettings {
+    /// Most concurrent streams on one session (both directions).
+    pub max_streams: usize,
+    /// Largest data frame sent; bigger writes are split.
+    pub split_send_size: usize,
+    /// Inbound streams queued for the acceptor before new ones are reset.
+    pub accept_backlog: usize,
+    /// How far, in bytes and in total, the session's streams may grow their receive windows
+    /// beyond the initial 256 KiB each. A stream's window doubles while its reader keeps up and
+    /// the sender runs out of credit, so a stream converges on the link's bandwidth-delay product;
+    /// a stream kept at 256 KiB moves at most 256 KiB per round trip (12.5 MiB/s at 20 ms). A window
+    /// is credit, not an allocation: bytes are buffered only while the local reader lags.
+    pub window_growth: usize,
+}
+
+/// Default of [`MuxSettings::window_growth`]: 32 MiB per session.
+pub const DEFAULT_WINDOW_GROWTH: usize = 32 * 1024 * 1024;
+/// Largest receive window one stream grows to.
+pub const MAX_STREAM_WINDOW: u32 = 16 * 1024 * 1024;
+/// Writers wait while the output buffer holds this much.
+pub const OUT_HIGH_WATER: usize = 512 * 1024;
+/// The driver stops reading while frames it owes the peer exceed this (a peer that sends but never
+/// reads cannot make the session buffer answers without bound).
+pub const OUT_HARD_LIMIT: usize = 8 * 1024 * 1024;
+/// Largest batch handed to the link at once (peers accept WebSocket messages up to 4 MiB).
+const MAX_BATCH: usize = 1024 * 1024;
+/// Rounds of reading and writing before the driver yields to other tasks.
+const ROUNDS_PER_POLL: usize = 16;
+
+impl Default for MuxSettings {
+    fn default() -> Self {
+        // 64 KiB frames: big enough that a frame's header and its bookkeeping are noise, small
+        // enough that several fit in a 256 KiB window, so a transfer never becomes stop-and-wait.
+        Self {
+            max_streams: 8192,
+            split_send_size: 64 * 1024,
+            accept_backlog: 1024,
+            window_growth: DEFAULT_WINDOW_GROWTH,
+        }
+    }
+}
+
+/// Why a stream could not be opened, or why a session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum MuxError {
+    /// The session is closed or broken.
+    #[error("tunnel session is closed")]
+    Closed,
+    /// The session holds its maximum number of streams.
+    #[error("tunnel session has reached its stream limit")]
+    TooManyStreams,
+    /// The peer broke the multiplexer protocol.
+    #[error("multiplexer protocol error: {0}")]
+    Protocol(String),
+    /// The link failed.
+    #[error("tunnel link failed: {0}")]
+    Link(#[from] io::Error),
+    /// Any other multiplexer failure.
+    #[error("tunnel session error: {0}")]
+    Other(String),
+}
+
+/// A handle to a running session; cheap to clone.
+#[derive(Clone)]
+pub struct Session {
+    shared: Arc<SessionShared>,
+}
+
+impl Session {
+    /// Opens a new outbound stream. The peer learns of it with its first frame (the opener always
+    /// writes first in Tether's protocol), so opening costs no round trip.
+    pub async fn open(&self) -> Result<MuxStream, MuxError> {
+        let shared = &self.shared;
+        let mut inner = shared.lock();
+        if inner.ended || inner.going_away {
+            return Err(MuxError::Closed);
+        }
+        if inner.streams.len() >= shared.max_streams {
+            return Err(MuxError::TooManyStreams);
+        }
+        let id = inner.next_id;
+        inner.next_id = id.checked_add(2).ok_or(MuxError::Closed)?;
+        let cell = Arc::new(StreamCell::new(id, Flags::SYN, DEFAULT_WINDOW));
+        inner.streams.insert(id, cell.clone());
+        drop(inner);
+        Ok(MuxStream::new(cell, shared.clone()))
+    }
+
+    /// Asks the driver to close the session: a go-away goes out, then the link closes. Streams
+    /// still open fail.
+    pub fn close(&self) {
+        self.shared.close_requested.cancel();
+        self.shared.driver.wake();
+    }
+
+    /// Whether the session has ended.
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.is_cancelled()
+    }
+
+    /// Resolves when the session has ended.
+    pub async fn closed(&self) {
+        self.shared.closed.cancelled().await;
+    }
+
+    /// Streams currently open on this session, both directions.
+    pub fn open_streams(&self) -> usize {
+        self.shared.open_streams.load(Ordering::Relaxed)
+    }
+}
+
+/// The receiving end for streams the peer opens.
+pub struct Incoming {
+    // Boxed: a channel allocates its slots in blocks up front, so small slots keep an idle
+    // session small (this matters with tens of thousands of agents).
+    rx: mpsc::Receiver<Box<MuxStream>>,
+}
+
+impl Incoming {
+    /// The next stream opened by the peer; `None` once the session has ended.
+    pub async fn accept(&mut self) -> Option<MuxStream> {
+        self.rx.recv().await.map(|stream| *stream)
+    }
+}
+
+/// The task that drives the session; spawn it. It resolves when the session ends.
+pub type Driver = Pin<Box<dyn Future<Output = Result<(), MuxError>> + Send>>;
+
+/// Starts a session over `link` and returns its handle, its inbound streams and its driver.
+pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, Incoming, Driver) {
+    let (in_tx, in_rx) = mpsc::channel(settings.accept_backlog.max(1));
+    let shared = Arc::new(SessionShared {
+        inner: Mutex::new(Inner {
+            streams: HashMap::new(),
+            next_id: match role {
+                Role::Client => 1,
+                Role::Server => 2,
+            },
+            out: BytesMut::new(),
+            room_waiters: Vec::new(),
+            growth_left: settings.window_growth,
+            ended: false,
+            going_away: false,
+        }),
+        driver: AtomicWaker::new(),
+        open_streams: AtomicUsize::new(0),
+        closed: CancellationToken::new(),
+        close_requested: CancellationToken::new(),
+        role,
+        max_streams: settings.max_streams.max(1),
+        split_send_size: settings.split_send_size.clamp(1024, MAX_BODY as usize),
+        rtt_micros: std::sync::atomic::AtomicU64::new(0),
+    });
+    let session = Session { shared: shared.clone() };
+    let mut driver = SessionDriver {
+        shared: shared.clone(),
+        link,
+        reader: FrameReader::new(),
+        accept: Some(in_tx),
+        pending: None,
+        needs_flush: false,
+        closing: false,
+        close_deadline: None,
+        ping: None,
+        last_ping: None,
+    };
+    let task = async move {
+        let _ended = EndGuard(shared);
+        poll_fn(|cx| driver.poll(cx)).await
+    };
+    (session, Incoming { rx: in_rx }, Box::pin(task))
+}
+
+struct SessionShared {
+    inner: Mutex<Inner>,
+    driver: AtomicWaker,
+    open_streams: AtomicUsize,
+    closed: CancellationToken,
+    close_requested: CancellationToken,
+    role: Role,
+    max_streams: usize,
+    split_send_size: usize,
+    /// The round trip last measured with a ping, in microseconds (0 until measured).
+    rtt_micros: std::sync::atomic::AtomicU64,
+}
+
+impl SessionShared {
+    fn rtt(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.rtt_micros.load(Ordering::Relaxed))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether `id` is an id the peer may open.
+    fn is_remote_id(&self, id: u32) -> bool {
+        id != 0
+            && match self.role {
+                Role::Server => !id.is_multiple_of(2),
+                Role::Client => id.is_multiple_of(2),
+            }
+    }
+}
+
+struct Inner {
+    streams: HashMap<u32, Arc<StreamCell>>,
+    next_id: u32,
+    /// Frames queued for the peer.
+    out: BytesMut,
+    /// Streams whose writers wait for room in `out`.
+    room_waiters: Vec<Arc<StreamCell>>,
+    /// Window growth left in the session's budget.
+    growth_left: usize,
+    ended: bool,
+    going_away: bool,
+}
+
+impl Inner {
+    fn queue(&mut self, header: Header, body: &[u8]) {
+        let needed = frame::HEADER_LEN + body.len();
+        if self.out.capacity() - self.out.len() < needed {
+            self.out.reserve(needed.max(64 * 1024));
+        }
+        put_frame(&mut self.out, header, body);
+    }
+}
+
+/// Marks the session ended, however the driver stops (returns, or its task is dropped).
+struct EndGuard(Arc<SessionShared>);
+
+impl Drop for EndGuard {
+    fn drop(&mut self) {
+        let shared = &self.0;
+        let (streams, waiters) = {
+            let mut inner = shared.lock();
+            inner.ended = true;
+            inner.out = BytesMut::new();
+            (std::mem::take(&mut inner.streams), std::mem::take(&mut inner.room_waiters))
+        };
+        for cell in streams.values().chain(waiters.iter()) {
+            let mut st = cell.lock();
+            st.ended = true;
+            st.detached = true;
+            st.wake_all();
+        }
+        shared.closed.cancel();
+    }
+}
+
+/// One stream's state, shared by its handle and the driver.
+struct StreamCell {
+    id: u32,
+    state: Mutex<StreamState>,
+}
+
+impl StreamCell {
+    fn new(id: u32, pending_flags: Flags, send_credit: u32) -> Self {
+        Self {
+            id,
+            state: Mutex::new(StreamState {
+                recv: VecDeque::new(),
+                recv_len: 0,
+                recv_credit: DEFAULT_WINDOW,
+                consumed: 0,
+                window: DEFAULT_WINDOW,
+                recv_fin: false,
+                last_update: None,
+                send_credit,
+                sent_fin: false,
+                pending_flags,
+                reset: false,
+                ended: false,
+                detached: false,
+                waiting_for_room: false,
+                reader: None,
+                writer: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StreamState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+struct StreamState {
+    /// Received, not yet read.
+    recv: VecDeque<Bytes>,
+    recv_len: usize,
+    /// Bytes the peer may still send.
+    recv_credit: u32,
+    /// Read by the application, not yet granted back to the peer.
+    consumed: u32,
+    /// This stream's receive window: `recv_credit + recv_len + consumed`.
+    window: u32,
+    /// The peer will send no more.
+    recv_fin: bool,
+    /// When credit was last granted.
+    last_update: Option<std::time::Instant>,
+    /// Bytes we may still send.
+    send_credit: u32,
+    /// We will send no more.
+    sent_fin: bool,
+    /// SYN (an outbound stream not announced yet) or ACK (an inbound one not acknowledged yet),
+    /// carried by the next frame sent.
+    pending_flags: Flags,
+    /// The peer reset the stream.
+    reset: bool,
+    /// The session ended.
+    ended: bool,
+    /// No longer in the session's table (reset, or the session ended).
+    detached: bool,
+    waiting_for_room: bool,
+    reader: Option<Waker>,
+    writer: Option<Waker>,
+}
+
+impl StreamState {
+    fn wake_all(&mut self) {
+        if let Some(w) = self.reader.take() {
+            w.wake();
+        }
+        if let Some(w) = self.writer.take() {
+            w.wake();
+        }
+    }
+
+    /// Whether enough was read to return credit to the peer.
+    fn update_due(&self) -> bool {
+        self.consumed >= self.window / 2 && !self.recv_fin && !self.reset && !self.ended
+    }
+
+    /// The credit to grant now: what was read, plus, when the window limits the stream, as much
+    /// again as the window (within the session's growth budget). The window limits the stream when
+    /// half of it was read within two round trips of the previous grant: the sender then spends its
+    /// credit faster than credit can come back (a link whose bandwidth-delay product exceeds the
+    /// window), and a larger window keeps the data flowing.
+    fn take_window_update(&mut self, growth_left: &mut usize, rtt: std::time::Duration) -> u32 {
+        let now = std::time::Instant::now();
+        let grow = !rtt.is_zero() && self.last_update.is_some_and(|at| now.duration_since(at) < rtt * 2);
+        self.last_update = Some(now);
+        let mut delta = self.consumed;
+        if grow && self.window < MAX_STREAM_WINDOW {
+            let grow = self.window.min(MAX_STREAM_WINDOW - self.window);
+            let grow = grow.min(u32::try_from(*growth_left).unwrap_or(u32::MAX));
+            self.window += grow;
+            *growth_left -= grow as usize;
+            delta += grow;
+        }
+        self.consumed = 0;
+        self.recv_credit = self.recv_credit.saturating_add(delta);
+        delta
+    }
+}
+
+/// One stream of a session: a tokio `AsyncRead + AsyncWrite`. `shutdown` half-closes (the peer
+/// reads end-of-stream and can still write). Dropping a stream that has not been finished both ways
+/// resets it: the peer's reads fail after what was already delivered, and its writes fail.
+pub struct MuxStream {
+    cell: Arc<StreamCell>,
+    session: Arc<SessionShared>,
+}
+
+impl MuxStream {
+    fn new(cell: Arc<StreamCell>, session: Arc<SessionShared>) -> Self {
+        session.open_streams.fetch_add(1, Ordering::Relaxed);
+        Self { cell, session }
+    }
+
+    /// The stream's id on the wire.
+    pub fn id(&self) -> u32 {
+        self.cell.id
+    }
+
+    /// Grants the peer the credit the reader freed (and any growth).
+    fn send_window_update(&self) {
+        let rtt = self.session.rtt();
+        let mut inner = self.session.lock();
+        let mut st = self.cell.lock();
+        if st.detached || st.ended || inner.ended {
+            return;
+        }
+        let delta = st.take_window_update(&mut inner.growth_left, rtt);
+        if delta == 0 {
+            return;
+        }
+        let flags = std::mem::take(&mut st.pending_flags);
+        drop(st);
+        inner.queue(Header::window_update(self.cell.id, delta, flags), &[]);
+        drop(inner);
+        self.session.driver.wake();
+    }
+}
+
+impl Drop for MuxStream {
+    fn drop(&mut self) {
+        self.session.open_streams.fetch_sub(1, Ordering::Relaxed);
+        let mut inner = self.session.lock();
+        let mut st = self.cell.lock();
+        if st.detached {
+            return;
+        }
+        st.detached = true;
+        inner.streams.remove(&self.cell.id);
+        inner.growth_left += (st.window - DEFAULT_WINDOW) as usize;
+        let finished = st.sent_fin && st.recv_fin;
+        // A stream the peer never heard of needs no reset.
+        let announced = !st.pending_flags.contains(Flags::SYN);
+        if !finished && !st.reset && !st.ended && announced && !inner.ended {
+            let flags = Flags::RST | std::mem::take(&mut st.pending_flags);
+            drop(st);
+            inner.queue(Header::data(self.cell.id, 0, flags), &[]);
+            drop(inner);
+            self.session.driver.wake();
+        }
+    }
+}
+
+fn reset_error() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionReset, "tunnel stream reset by the peer")
+}
+
+fn session_closed_error() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "tunnel session closed")
+}
+
+impl AsyncRead for MuxStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let mut st = self.cell.lock();
+        if st.recv_len > 0 {
+            let mut n = 0;
+            while buf.remaining() > 0 {
+                let Some(chunk) = st.recv.front_mut() else { break };
+                let k = chunk.len().min(buf.remaining());
+                buf.put_slice(&chunk[..k]);
+                chunk.advance(k);
+                if chunk.is_empty() {
+                    st.recv.pop_front();
+                }
+                n += k;
+            }
+            st.recv_len -= n;
+            st.consumed += n as u32;
+            let due = st.update_due();
+            drop(st);
+            if due {
+                self.send_window_update();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        if st.recv_fin {
+            return Poll::Ready(Ok(()));
+        }
+        if st.reset {
+            return Poll::Ready(Err(reset_error()));
+        }
+        if st.ended {
+            return Poll::Ready(Err(session_closed_error()));
+        }
+        st.reader = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl AsyncWrite for MuxStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let session = &self.session;
+        let mut inner = session.lock();
+        let mut st = self.cell.lock();
+        if st.reset {
+            return Poll::Ready(Err(reset_error()));
+        }
+        if st.ended || inner.ended {
+            return Poll::Ready(Err(session_closed_error()));
+        }
+        if st.sent_fin {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "tunnel stream already shut down")));
+        }
+        if inner.out.len() >= OUT_HIGH_WATER {
+            st.writer = Some(cx.waker().clone());
+            if !st.waiting_for_room {
+                st.waiting_for_room = true;
+                inner.room_waiters.push(self.cell.clone());
+            }
+            return Poll::Pending;
+        }
+        if st.send_credit == 0 {
+            st.writer = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let k = buf.len().min(st.send_credit as usize).min(session.split_send_size);
+        st.send_credit -= k as u32;
+        let flags = std::mem::take(&mut st.pending_flags);
+        drop(st);
+        inner.queue(Header::data(self.cell.id, k as u32, flags), &buf[..k]);
+        drop(inner);
+        session.driver.wake();
+        Poll::Ready(Ok(k))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Queued frames go out as soon as the driver runs; there is nothing to wait for here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut inner = self.session.lock();
+        let mut st = self.cell.lock();
+        if st.sent_fin || st.reset || st.ended || inner.ended {
+            return Poll::Ready(Ok(()));
+        }
+        st.sent_fin = true;
+        let flags = Flags::FIN | std::mem::take(&mut st.pending_flags);
+        drop(st);
+        inner.queue(Header::data(self.cell.id, 0, flags), &[]);
+        drop(inner);
+        self.session.driver.wake();
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// What the driver does with a frame, decided under the session lock and carried out after it.
+enum Deliver {
+    None,
+    Stream(Arc<StreamCell>),
+    Accept(MuxStream),
+}
+
+struct SessionDriver<L> {
+    shared: Arc<SessionShared>,
+    link: L,
+    reader: FrameReader,
+    /// Dropped when the session stops taking new streams.
+    accept: Option<mpsc::Sender<Box<MuxStream>>>,
+    /// A batch the link has not taken yet.
+    pending: Option<Bytes>,
+    needs_flush: bool,
+    closing: bool,
+    /// A closing session gives up on a peer that does not take its last frames by then.
+    close_deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The ping in flight: its opaque value and when it was sent.
+    ping: Option<(u32, std::time::Instant)>,
+    /// When the last ping was sent.
+    last_ping: Option<std::time::Instant>,
+}
+
+/// How often the round trip is measured again while the session is busy.
+const RTT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a closing session tries to deliver its go-away.
+const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl<L: Link> SessionDriver<L> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+        self.shared.driver.register(cx.waker());
+        if !self.closing && self.shared.close_requested.is_cancelled() {
+            self.begin_close(GoAway::Normal);
+        }
+        self.maybe_ping();
+        for _ in 0..ROUNDS_PER_POLL {
+            self.poll_send(cx)?;
+            if self.closing {
+                return self.poll_finish_close(cx);
+            }
+            if self.shared.lock().out.len() > OUT_HARD_LIMIT {
+                // The peer does not read what we owe it; stop reading until it does.
+                return Poll::Pending;
+            }
+            let mut received = false;
+            for _ in 0..8 {
+                match self.link.poll_recv(cx) {
+                    Poll::Ready(Some(Ok(chunk))) => {
+                        received = true;
+                        if let Err(e) = self.on_chunk(chunk) {
+                            tracing::info!(error = %e, "closing the tunnel session");
+                            self.begin_close(GoAway::ProtocolError);
+                            let _ = self.poll_send(cx);
+                            let _ = self.link.poll_flush(cx);
+                            return Poll::Ready(Err(e));
+                        }
+                    }
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(MuxError::Link(e))),
+                    Poll::Ready(None) => return Poll::Ready(Ok(())),
+                    Poll::Pending => break,
+                }
+            }
+            if !received {
+                let has_output = !self.shared.lock().out.is_empty();
+                if !has_output || self.pending.is_some() {
+                    self.release_idle_buffer();
+                    return Poll::Pending;
+                }
+            }
+        }
+        // Plenty of work: let other tasks run, and come back.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    /// Sends queued frames as batches, then flushes.
+    fn poll_send(&mut self, cx: &mut Context<'_>) -> Result<(), MuxError> {
+        loop {
+            if self.pending.is_none() {
+                let (batch, waiters) = {
+                    let mut inner = self.shared.lock();
+                    if inner.out.is_empty() {
+                        (None, Vec::new())
+                    } else {
+                        let take = inner.out.len().min(MAX_BATCH);
+                        let batch = inner.out.split_to(take).freeze();
+                        let waiters = if inner.out.len() < OUT_HIGH_WATER {
+                            std::mem::take(&mut inner.room_waiters)
+                        } else {
+                            Vec::new()
+                        };
+                        (Some(batch), waiters)
+                    }
+                };
+                for cell in waiters {
+                    let mut st = cell.lock();
+                    st.waiting_for_room = false;
+                    if let Some(w) = st.writer.take() {
+                        w.wake();
+                    }
+                }
+                self.pending = batch;
+            }
+            let Some(batch) = self.pending.take() else { break };
+            match self.link.poll_ready(cx) {
+                Poll::Ready(Ok(())) => {
+                    self.link.start_send(batch)?;
+                    self.needs_flush = true;
+                }
+                Poll::Ready(Err(e)) => return Err(MuxError::Link(e)),
+                Poll::Pending => {
+                    self.pending = Some(batch);
+                    break;
+                }
+            }
+        }
+        if self.needs_flush {
+            match self.link.poll_flush(cx) {
+                Poll::Ready(Ok(())) => self.needs_flush = false,
+                Poll::Ready(Err(e)) => return Err(MuxError::Link(e)),
+                Poll::Pending => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Measures the round trip (which window growth needs): at the start, and again every
+    /// [`RTT_INTERVAL`] while the session does anything. An idle session sends no pings of its own.
+    fn maybe_ping(&mut self) {
+        if self.ping.is_some() || self.closing || self.last_ping.is_some_and(|at| at.elapsed() < RTT_INTERVAL) {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let opaque = self.last_ping.map_or(1, |_| fastrand::u32(..));
+        self.ping = Some((opaque, now));
+        self.last_ping = Some(now);
+        self.shared.lock().queue(Header::ping(opaque, Flags::SYN), &[]);
+    }
+
+    /// An idle session keeps no output buffer (this matters with tens of thousands of agents).
+    fn release_idle_buffer(&mut self) {
+        let mut inner = self.shared.lock();
+        if inner.out.is_empty() && inner.out.capacity() > 0 {
+            inner.out = BytesMut::new();
+        }
+    }
+
+    fn begin_close(&mut self, code: GoAway) {
+        self.closing = true;
+        self.close_deadline = Some(Box::pin(tokio::time::sleep(CLOSE_TIMEOUT)));
+        self.accept = None;
+        let mut inner = self.shared.lock();
+        inner.going_away = true;
+        inner.queue(Header::go_away(code), &[]);
+    }
+
+    fn poll_finish_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+        if self.close_deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
+            return Poll::Ready(Ok(()));
+        }
+        let drained = self.pending.is_none() && self.shared.lock().out.is_empty();
+        if !drained {
+            return Poll::Pending;
+        }
+        match self.link.poll_close(cx) {
+            Poll::Ready(_) => Poll::Ready(Ok(())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn on_chunk(&mut self, chunk: Bytes) -> Result<(), MuxError> {
+        self.reader.push(chunk);
+        while let Some(frame) = self.reader.next_frame().map_err(|e| MuxError::Protocol(e.to_string()))? {
+            self.on_frame(frame)?;
+        }
+        Ok(())
+    }
+
+    fn on_frame(&mut self, frame: Frame) -> Result<(), MuxError> {
+        let Frame { header, body } = frame;
+        match header.kind {
+            Kind::Ping => {
+                if !header.flags.contains(Flags::ACK) {
+                    self.shared.lock().queue(Header::ping(header.length, Flags::ACK), &[]);
+                } else if let Some((opaque, sent)) = self.ping
+                    && opaque == header.length
+                {
+                    let micros = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX).max(1);
+                    self.shared.rtt_micros.store(micros, Ordering::Relaxed);
+                    self.ping = None;
+                }
+                Ok(())
+            }
+            Kind::GoAway => {
+                // The peer is leaving: no new streams; the session ends when the link does.
+                self.shared.lock().going_away = true;
+                Ok(())
+            }
+            Kind::Data | Kind::WindowUpdate => {
+                if header.stream_id == 0 {
+                    return Err(MuxError::Protocol(format!("{:?} frame for stream 0", header.kind)));
+                }
+                let deliver = self.route(&header, &body)?;
+                match deliver {
+                    Deliver::None => Ok(()),
+                    Deliver::Stream(cell) => self.deliver(&cell, header, body),
+                    Deliver::Accept(stream) => {
+                        self.accept_stream(stream);
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Finds (or, for a SYN, creates) the frame's stream; answers frames for unknown streams.
+    fn route(&mut self, header: &Header, body: &Bytes) -> Result<Deliver, MuxError> {
+        let id = header.stream_id;
+        let mut inner = self.shared.lock();
+        if header.flags.contains(Flags::SYN) {
+            if !self.shared.is_remote_id(id) {
+                return Err(MuxError::Protocol(format!("the peer opened stream {id}, which is not its id to open")));
+            }
+            if inner.streams.contains_key(&id) {
+                return Err(MuxError::Protocol(format!("the peer opened stream {id} twice")));
+            }
+            if body.len() > DEFAULT_WINDOW as usize {
+                return Err(MuxError::Protocol(format!("stream {id} opened with more data than its window")));
+            }
+            if header.flags.contains(Flags::RST) {
+                return Ok(Deliver::None);
+            }
+            if inner.going_away || self.accept.is_none() || inner.streams.len() >= self.shared.max_streams {
+                tracing::warn!(stream = id, "refusing a new stream: the session is closing or at its stream limit");
+                inner.queue(Header::data(id, 0, Flags::RST), &[]);
+                return Ok(Deliver::None);
+            }
+            let credit = if header.kind == Kind::WindowUpdate {
+                DEFAULT_WINDOW.checked_add(header.length).ok_or_else(|| MuxError::Protocol("window overflow".into()))?
+            } else {
+                DEFAULT_WINDOW
+            };
+            let cell = Arc::new(StreamCell::new(id, Flags::ACK, credit));
+            inner.streams.insert(id, cell.clone());
+            drop(inner);
+            if header.kind == Kind::Data {
+                self.deliver(&cell, Header { flags: Flags(header.flags.0 & !Flags::SYN.0), ..*header }, body.clone())?;
+            } else if header.flags.contains(Flags::FIN) {
+                cell.lock().recv_fin = true;
+            }
+            return Ok(Deliver::Accept(MuxStream::new(cell, self.shared.clone())));
+        }
+        match inner.streams.get(&id) {
+            Some(cell) => Ok(Deliver::Stream(cell.clone())),
+            None => {
+                // A stream this side has dropped (and reset) or never had. Data means the peer
+                // still thinks it is open: tell it again, so it never waits for credit in vain.
+                if header.kind == Kind::Data && !header.flags.contains(Flags::RST) && header.length > 0 {
+                    inner.queue(Header::data(id, 0, Flags::RST), &[]);
+                }
+                Ok(Deliver::None)
+            }
+        }
+    }
+
+    fn deliver(&mut self, cell: &Arc<StreamCell>, header: Header, body: Bytes) -> Result<(), MuxError> {
+        let mut st = cell.lock();
+        if header.flags.contains(Flags::RST) {
+            st.reset = true;
+            st.detached = true;
+            st.wake_all();
+            let window = st.window;
+            drop(st);
+            let mut inner = self.shared.lock();
+            inner.streams.remove(&cell.id);
+            inner.growth_left += (window - DEFAULT_WINDOW) as usize;
+            return Ok(());
+        }
+        match header.kind {
+            Kind::Data => {
+                let len = body.len() as u32;
+                if len > st.recv_credit {
+                    return Err(MuxError::Protocol(format!(
+                        "stream {} sent {len} bytes with {} of credit",
+                        cell.id, st.recv_credit
+                    )));
+                }
+                if st.recv_fin && len > 0 {
+                    return Err(MuxError::Protocol(format!("stream {} sent data after its end", cell.id)));
+                }
+                st.recv_credit -= len;
+                if len > 0 {
+                    st.recv_len += body.len();
+                    st.recv.push_back(body);
+                }
+            }
+            Kind::WindowUpdate => {
+                st.send_credit = st
+                    .send_credit
+                    .checked_add(header.length)
+                    .ok_or_else(|| MuxError::Protocol(format!("stream {} window overflow", cell.id)))?;
+                if let Some(w) = st.writer.take() {
+                    w.wake();
+                }
+            }
+            Kind::Ping | Kind::GoAway => {}
+        }
+        if header.flags.contains(Flags::FIN) {
+            st.recv_fin = true;
+        }
+        if (st.recv_len > 0 || st.recv_fin)
+            && let Some(w) = st.reader.take()
+        {
+            w.wake();
+        }
+        Ok(())
+    }
+
+    fn accept_stream(&mut self, stream: MuxStream) {
+        let Some(accept) = &self.accept else { return };
+        if let Err(mpsc::error::TrySendError::Full(refused) | mpsc::error::TrySendError::Closed(refused)) =
+            accept.try_send(Box::new(stream))
+        {
+            tracing::warn!(
+                stream = refused.id(),
+                "inbound stream backlog full or nobody accepting; resetting the stream"
+            );
+            // Dropping the stream resets it.
+            drop(refused);
+        }
+    }
+}
