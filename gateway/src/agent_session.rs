@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tether_tunnel::framed::{FrameError, forward_frames, read_frame, read_raw_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxStream, Role};
@@ -154,7 +154,7 @@ async fn serve(
     let (message_tx, mut messages) = mpsc::channel(16);
     let reader = AbortOnDrop(tokio::spawn(forward_frames(control_read, MAX_CONTROL_FRAME, message_tx)));
     let mut subject = identity.subject;
-    let expiry = tokio::time::sleep_until(deadline(identity.expires_at));
+    let expiry = tokio::time::sleep_until(deadline(identity.valid_until));
     tokio::pin!(expiry);
     let mut drain_sent = false;
     // Set when the tenant is removed: the session closes when the drain grace period is over.
@@ -175,9 +175,9 @@ async fn serve(
                     break CloseReason::ProtocolError;
                 }
                 Some(Ok(ControlMessage::TokenRefresh(refresh))) => {
-                    let answer = Box::pin(refresh_token(tenant, &agent_id, &mut subject, &refresh.token)).await;
-                    if let Some(expires_at) = answer.expires_at.filter(|_| answer.ok) {
-                        expiry.as_mut().reset(deadline(expires_at));
+                    let (answer, valid_until) = Box::pin(refresh_token(tenant, &agent_id, &mut subject, &refresh.token)).await;
+                    if let Some(valid_until) = valid_until {
+                        expiry.as_mut().reset(deadline(valid_until));
                     }
                     if send(&mut control_write, &ControlMessage::TokenRefreshResult(answer)).await.is_err() {
                         break CloseReason::ConnectionLost;
@@ -293,11 +293,17 @@ async fn refuse_hello(control: &mut MuxStream, tenant: &Tenant, peer: SocketAddr
 }
 
 /// Checks a refreshed token: valid for the tenant and for the same subject as the session's.
-async fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, token: &str) -> TokenRefreshResult {
+/// Returns the answer for the agent and, when accepted, the session's new deadline.
+async fn refresh_token(
+    tenant: &Tenant,
+    agent_id: &str,
+    subject: &mut String,
+    token: &str,
+) -> (TokenRefreshResult, Option<u64>) {
     let refused = |message: String, label: &'static str| {
         metrics::counter!(TOKEN_REFRESHES, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
         tracing::warn!(tenant = %tenant.name, agent = %agent_id, reason = %message, "token refresh refused");
-        TokenRefreshResult { ok: false, expires_at: None, message: Some(message) }
+        (TokenRefreshResult { ok: false, expires_at: None, message: Some(message) }, None)
     };
     match tenant.verifier().verify(token).await {
         Err(e) => refused(e.to_string(), e.label()),
@@ -308,7 +314,10 @@ async fn refresh_token(tenant: &Tenant, agent_id: &str, subject: &mut String, to
             metrics::counter!(TOKEN_REFRESHES, "tenant" => tenant.name.to_string(), "result" => "ok").increment(1);
             tracing::debug!(tenant = %tenant.name, agent = %agent_id, expires_at = identity.expires_at, "token refreshed");
             *subject = identity.subject;
-            TokenRefreshResult { ok: true, expires_at: Some(identity.expires_at), message: None }
+            (
+                TokenRefreshResult { ok: true, expires_at: Some(identity.expires_at), message: None },
+                Some(identity.valid_until),
+            )
         }
     }
 }
@@ -343,10 +352,9 @@ async fn send<W: AsyncWrite + Unpin>(writer: &mut WriteHalf<W>, message: &Contro
     write_frame(writer, message, MAX_CONTROL_FRAME).await
 }
 
-/// When a token expiring at `exp` (Unix seconds) stops being valid, as a timer deadline.
-fn deadline(exp: u64) -> Instant {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-    Instant::now() + Duration::from_secs(exp.saturating_sub(now))
+/// A Unix time (a token's `valid_until`) as a timer deadline.
+fn deadline(valid_until: u64) -> Instant {
+    Instant::now() + Duration::from_secs(valid_until.saturating_sub(tether_tunnel::jwt::now_unix()))
 }
 
 /// Registration in the tenant's routing table and the sessions gauge, undone on drop.

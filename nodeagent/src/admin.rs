@@ -34,7 +34,8 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
         let wanted = state.agent.server_count();
         (StatusCode::SERVICE_UNAVAILABLE, format!("connected to {live} of {wanted} gateway replicas ({servers})\n"))
     } else {
-        let reason = state.agent.last_error().unwrap_or_else(|| "connecting".into());
+        let reason =
+            state.agent.token_problem().or_else(|| state.agent.last_error()).unwrap_or_else(|| "connecting".into());
         (StatusCode::SERVICE_UNAVAILABLE, format!("not connected to the gateway: {reason}\n"))
     }
 }

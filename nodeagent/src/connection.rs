@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::dialer::{DialPolicy, serve_stream};
-use crate::metrics::{CONNECTS, DRAINS, SESSIONS, TOKEN_REFRESHES};
+use crate::metrics::{CONNECTS, DRAINS, SESSIONS, TOKEN_EXPIRY, TOKEN_REFRESHES, TOKEN_USABLE};
 
 /// Everything a connection needs, fixed for the agent's life.
 pub struct ConnectionContext {
@@ -59,6 +59,8 @@ pub struct AgentState {
     live: Mutex<Vec<LiveEntry>>,
     next_id: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// Why the token file's content is not worth presenting, while it is not.
+    token_problem: Mutex<Option<String>>,
     session_added: Notify,
     /// Woken when sessions come or go or the replica count changes.
     changed: Notify,
@@ -112,6 +114,20 @@ impl AgentState {
         if let Ok(mut last) = self.last_error.lock() {
             *last = error;
         }
+    }
+
+    /// Why the agent is not dialing: its token file holds no usable token (`/readyz` says so).
+    pub fn token_problem(&self) -> Option<String> {
+        self.token_problem.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// Records the token problem; returns whether it differs from the one recorded before (so
+    /// each change is logged once).
+    fn set_token_problem(&self, problem: Option<String>) -> bool {
+        let Ok(mut current) = self.token_problem.lock() else { return false };
+        let changed = *current != problem;
+        *current = problem;
+        changed
     }
 
     /// Sessions the agent wants: the reported replica count (at least one), or one.
@@ -171,14 +187,6 @@ impl AgentState {
 /// Why a connection attempt failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EstablishError {
-    /// The token file could not be used.
-    #[error("token file {path}: {reason}")]
-    TokenFile {
-        /// The file.
-        path: String,
-        /// Why.
-        reason: String,
-    },
     /// The gateway could not be reached or refused the upgrade.
     #[error(transparent)]
     Connect(#[from] ConnectError),
@@ -190,7 +198,6 @@ pub enum EstablishError {
 impl EstablishError {
     fn label(&self) -> &'static str {
         match self {
-            Self::TokenFile { .. } => "token_file",
             Self::Connect(e) if e.is_unauthorized() => "unauthorized",
             Self::Connect(ConnectError::Proxy(tether_tunnel::proxy::ProxyError::Authentication { .. })) => "proxy_auth",
             Self::Connect(ConnectError::Proxy(_)) => "proxy",
@@ -228,6 +235,8 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     let mut backoff = Backoff::new(initial, max);
     // Duplicates are expected behind a balancer; retry them quickly, but never in a tight loop.
     let mut duplicates = Backoff::new(Duration::from_millis(50), ctx.duplicate_retry_max);
+    // Re-reading a token file that holds no usable token: never dial with it.
+    let mut token_wait = Backoff::new(initial, max);
     let tasks = TaskTracker::new();
     loop {
         if stop.is_cancelled() {
@@ -245,7 +254,30 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
             continue;
         }
-        let delay = match establish(&ctx).await {
+        let token = match read_usable_token(&ctx.token_file).await {
+            Ok(token) => {
+                token_wait.reset();
+                metrics::gauge!(TOKEN_USABLE).set(1.0);
+                if ctx.state.set_token_problem(None) {
+                    tracing::info!(path = %ctx.token_file.display(), "the token file holds a usable token again; connecting");
+                }
+                token
+            }
+            Err(problem) => {
+                metrics::gauge!(TOKEN_USABLE).set(0.0);
+                if ctx.state.set_token_problem(Some(problem.clone())) {
+                    tracing::warn!("{problem}");
+                }
+                // A rotated file is noticed within one token check interval at most.
+                let wait = token_wait.next_delay().min(ctx.token_check_interval);
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = stop.cancelled() => break,
+                }
+                continue;
+            }
+        };
+        let delay = match establish(&ctx, token).await {
             Ok(established) if held.contains(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
                 tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
@@ -311,8 +343,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     tasks.wait().await;
 }
 
-async fn establish(ctx: &ConnectionContext) -> Result<Established, EstablishError> {
-    let token = read_token(&ctx.token_file).await?;
+async fn establish(ctx: &ConnectionContext, token: String) -> Result<Established, EstablishError> {
     let ws = client::connect(&ctx.client, Some(&token)).await?;
     let (session, incoming, driver) = mux::start(ws, Role::Client, &ctx.mux);
     tokio::spawn(async move {
@@ -364,6 +395,8 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
     let reader = tokio::spawn(forward_frames(control_read, MAX_CONTROL_FRAME, message_tx));
     let mut token_check = tokio::time::interval(ctx.token_check_interval);
     token_check.tick().await;
+    // Each token problem seen on this session is logged once.
+    let mut warned: Option<String> = None;
 
     let end = loop {
         tokio::select! {
@@ -404,14 +437,38 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
             _ = token_check.tick() => {
                 match read_token(&ctx.token_file).await {
                     Ok(fresh) if fresh != token => {
+                        if let Some(problem) = expiry_problem(&fresh, &ctx.token_file) {
+                            if warned.as_ref() != Some(&problem) {
+                                tracing::warn!("{problem}; not sent to the gateway");
+                                warned = Some(problem);
+                            }
+                            continue;
+                        }
                         let refresh = ControlMessage::TokenRefresh(TokenRefresh { token: fresh.clone() });
                         if let Err(e) = send(&mut control_write, &refresh).await {
                             break SessionEnd::Lost(format!("cannot send token refresh: {e}"));
                         }
                         tracing::info!("token file changed; sent the new token to the gateway");
+                        note_token_expiry(&fresh);
                         token = fresh;
                     }
-                    Ok(_) => {}
+                    Ok(_) => {
+                        // Not rotated: say so once before the gateway ends the session for it.
+                        let soon = ctx.token_check_interval * 2 + TOKEN_MIN_REMAINING;
+                        if let Some(exp) = tether_tunnel::jwt::unverified_expiry(&token)
+                            && exp <= tether_tunnel::jwt::now_unix() + soon.as_secs()
+                        {
+                            let problem = format!(
+                                "the token expires at {} and {} has not been rotated; the gateway will close the session then",
+                                tether_tunnel::jwt::rfc3339(exp),
+                                ctx.token_file.display()
+                            );
+                            if warned.as_ref() != Some(&problem) {
+                                tracing::warn!("{problem}");
+                                warned = Some(problem);
+                            }
+                        }
+                    }
                     Err(e) => tracing::warn!(error = %e, "cannot re-read the token file; keeping the current token"),
                 }
             }
@@ -464,9 +521,12 @@ async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Re
     write_frame(writer, message, MAX_CONTROL_FRAME).await
 }
 
+/// A token with less than this left is not presented (the session would end almost at once).
+const TOKEN_MIN_REMAINING: Duration = Duration::from_secs(2);
+
 /// Reads the bearer token; surrounding whitespace is ignored, an empty file is an error.
-pub async fn read_token(path: &Path) -> Result<String, EstablishError> {
-    let error = |reason: String| EstablishError::TokenFile { path: path.display().to_string(), reason };
+pub async fn read_token(path: &Path) -> Result<String, String> {
+    let error = |reason: String| format!("token file {}: {reason}", path.display());
     let text = tokio::fs::read_to_string(path).await.map_err(|e| error(e.to_string()))?;
     let token = text.trim();
     if token.is_empty() {
@@ -476,6 +536,39 @@ pub async fn read_token(path: &Path) -> Result<String, EstablishError> {
         return Err(error("the token is larger than 16 KiB".into()));
     }
     Ok(token.to_owned())
+}
+
+/// Reads the token and checks that it is worth presenting: a token that has expired, or is about
+/// to, would only get a 401 or a session the gateway closes at once.
+pub async fn read_usable_token(path: &Path) -> Result<String, String> {
+    let token = read_token(path).await.map_err(|e| format!("{e}; waiting for a usable token"))?;
+    note_token_expiry(&token);
+    match expiry_problem(&token, path) {
+        Some(problem) => Err(problem),
+        None => Ok(token),
+    }
+}
+
+/// What is wrong with `token`'s expiry, if anything (a token without `exp` is for the gateway to
+/// judge).
+fn expiry_problem(token: &str, path: &Path) -> Option<String> {
+    let exp = tether_tunnel::jwt::unverified_expiry(token)?;
+    let now = tether_tunnel::jwt::now_unix();
+    let at = tether_tunnel::jwt::rfc3339(exp);
+    if exp <= now {
+        Some(format!("token expired at {at}, waiting for a new token in {}", path.display()))
+    } else if exp < now + TOKEN_MIN_REMAINING.as_secs() {
+        Some(format!("token expires at {at} (in {} s), waiting for a new token in {}", exp - now, path.display()))
+    } else {
+        None
+    }
+}
+
+/// Publishes the expiry of the token just read.
+fn note_token_expiry(token: &str) {
+    if let Some(exp) = tether_tunnel::jwt::unverified_expiry(token) {
+        metrics::gauge!(TOKEN_EXPIRY).set(exp as f64);
+    }
 }
 
 /// Lists a live session in the agent state and the sessions gauge until dropped.

@@ -16,6 +16,10 @@ pub const BYTES: &str = "tether_agent_bytes_total";
 pub const TOKEN_REFRESHES: &str = "tether_agent_token_refreshes_total";
 /// Drain requests received from gateways.
 pub const DRAINS: &str = "tether_agent_drains_total";
+/// 1 while the token file holds a token worth presenting, 0 while the agent waits for one.
+pub const TOKEN_USABLE: &str = "tether_agent_token_usable";
+/// The `exp` of the token last read from the token file (Unix seconds).
+pub const TOKEN_EXPIRY: &str = "tether_agent_token_expiry_timestamp_seconds";
 
 /// Forwarded connections (node -> control plane) by target and result.
 pub const FORWARDS: &str = "tether_agent_forwards_total";
@@ -37,6 +41,8 @@ pub fn describe() {
     describe_counter!(BYTES, Unit::Bytes, "Bytes tunnelled by direction.");
     describe_counter!(TOKEN_REFRESHES, "Token refreshes sent on live sessions by result.");
     describe_counter!(DRAINS, "Drain requests received from gateways.");
+    describe_gauge!(TOKEN_USABLE, "1 while the token file holds a usable token, 0 while the agent waits for one.");
+    describe_gauge!(TOKEN_EXPIRY, Unit::Seconds, "Expiry (exp, Unix time) of the token last read from the token file.");
     describe_counter!(FORWARDS, "Forwarded connections (node to control plane) by target and result.");
     describe_gauge!(FORWARDS_OPEN, "Forwarded connections open.");
     describe_counter!(FORWARD_BYTES, Unit::Bytes, "Forwarded bytes by direction.");

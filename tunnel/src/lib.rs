@@ -13,6 +13,7 @@ pub mod cli;
 pub mod client;
 pub mod duration;
 pub mod framed;
+pub mod jwt;
 pub mod mux;
 pub mod protocol;
 pub mod proxy;

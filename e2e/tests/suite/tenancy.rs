@@ -332,6 +332,69 @@ async fn a_refreshed_token_keeps_the_session_and_an_expired_one_ends_it() {
     fleet.shutdown().await;
 }
 
+/// A token nobody rotates: the gateway ends the session once, at expiry plus leeway, and the agent
+/// does not come back with the same token (no reconnect storm); an agent started with an expired
+/// token never presents it. Both say why in `/readyz` and metrics, and connect as soon as the file
+/// holds a valid token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_is_never_presented_again_and_a_new_one_connects() {
+    let fleet = Fleet::start(&["lapsed", "late"], &[]).await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    // "lapsed" starts with a token valid for 3 s; the gateway's leeway is 1 s.
+    let lapsed = RunningAgent::start(fleet.agent_config(0, "node-lapsed", x, Duration::from_secs(3))).await;
+    assert!(lapsed.wait_live(Duration::from_secs(10)).await);
+    // "late" starts with a token that expired 10 s ago (say, a static pod started before the kubelet).
+    let config = fleet.agent_config(1, "node-late", y, Duration::from_secs(3600));
+    let mut claims = fleet.issuers[1].claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+    claims.exp = tether_loadtest::devpki::now() - 10;
+    write_private(&config.gateway.token_file, fleet.issuers[1].sign(&claims).unwrap().as_bytes()).unwrap();
+    let late = RunningAgent::start(config).await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+
+    let metrics = fleet.metrics().await;
+    let closed = |tenant: &str| {
+        metric_sum(
+            &metrics,
+            "tether_gateway_sessions_closed_total",
+            &format!("tenant=\"{tenant}\",reason=\"token_expired\""),
+        )
+    };
+    let connects = |tenant: &str, result: &str| {
+        metric_sum(&metrics, "tether_gateway_agent_connects_total", &format!("tenant=\"{tenant}\",result=\"{result}\""))
+    };
+    assert_eq!(closed("lapsed"), 1.0, "one session, closed once at expiry: {metrics}");
+    assert_eq!(connects("lapsed", "ok"), 1.0, "the agent did not come back with the expired token: {metrics}");
+    assert_eq!(
+        connects("lapsed", "expired") + connects("late", "expired"),
+        0.0,
+        "no expired token was presented: {metrics}"
+    );
+    assert_eq!(connects("late", "ok"), 0.0);
+    assert_eq!(metric_sum(&metrics, "tether_agent_token_usable", ""), 0.0, "{metrics}");
+    for agent in [&lapsed, &late] {
+        assert_eq!(agent.state.live_sessions(), 0);
+        let (status, body) = http_get(agent.admin.unwrap(), "/readyz").await.unwrap();
+        assert_eq!(status, 503);
+        assert!(body.contains("token expired at ") && body.contains("waiting for a new token in"), "{body}");
+        assert!(body.contains(&agent.token_file.display().to_string()), "{body}");
+    }
+
+    // The kubelet (or the operator) writes a fresh token: both connect without waiting for a backoff.
+    for (index, agent, node) in [(0, &lapsed, "node-lapsed"), (1, &late, "node-late")] {
+        let fresh = fleet.issuers[index]
+            .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some(node))
+            .unwrap();
+        write_private(&agent.token_file, fresh.as_bytes()).unwrap();
+    }
+    assert!(lapsed.wait_live(Duration::from_secs(3)).await && late.wait_live(Duration::from_secs(3)).await);
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()));
+    let (status, _) = http_get(late.admin.unwrap(), "/readyz").await.unwrap();
+    assert_eq!(status, 200);
+    lapsed.stop().await;
+    late.stop().await;
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_reload_adds_and_removes_tenants_and_ignores_a_broken_config() {
     let fleet = Fleet::start(&["keep", "drop"], &[]).await;

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use base64::Engine;
 use jsonwebtoken::errors::ErrorKind;
@@ -102,16 +102,22 @@ pub struct Identity {
     pub subject: String,
     /// `exp`, seconds since the Unix epoch.
     pub expires_at: u64,
+    /// Until when the token is accepted: `exp` plus the tenant's leeway. The one expiry rule, for
+    /// admission (a token is accepted only before this instant) and for a live session (it ends
+    /// at this instant unless refreshed), so no session is admitted only to be closed at once.
+    pub valid_until: u64,
     /// The node a bound ServiceAccount token was issued for (`kubernetes.io.node.name`).
     pub node_name: Option<String>,
 }
 
-impl Identity {
-    /// Time left before the token expires (zero if it already has).
-    pub fn remaining(&self) -> Duration {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-        Duration::from_secs(self.expires_at.saturating_sub(now))
-    }
+/// `exp + leeway`, the end of a token's acceptance (see [`Identity::valid_until`]).
+pub fn valid_until(expires_at: u64, leeway: Duration) -> u64 {
+    expires_at.saturating_add(leeway.as_secs())
+}
+
+/// Refuses a token whose acceptance has ended (`now >= exp + leeway`).
+fn check_not_expired(identity: Identity) -> Result<Identity, AuthError> {
+    if identity.valid_until <= tether_tunnel::jwt::now_unix() { Err(AuthError::Expired) } else { Ok(identity) }
 }
 
 /// The settings of one tenant's token checks.
@@ -190,7 +196,7 @@ impl TokenVerifier {
     pub async fn verify(&self, token: &str) -> Result<Identity, AuthError> {
         if let Some(review) = &self.review {
             check_shape(token)?;
-            let identity = review.review(token).await?;
+            let identity = check_not_expired(review.review(token, self.settings.leeway).await?)?;
             return self.check_subject(identity);
         }
         match self.verify_cached(token) {
@@ -204,11 +210,6 @@ impl TokenVerifier {
             return Err(AuthError::SubjectNotAllowed);
         }
         Ok(identity)
-    }
-
-    /// The token's `kid`, if the header is readable (used to decide whether to refresh keys).
-    pub fn kid_of(token: &str) -> Option<String> {
-        parse_header(token).ok().and_then(|h| h.kid)
     }
 
     /// Checks `token` against the cached keys only.
@@ -237,7 +238,10 @@ impl TokenVerifier {
         }
         let claims = result?.claims;
         let node_name = claims.kubernetes.and_then(|k| k.node).map(|n| n.name).filter(|n| !n.is_empty());
-        self.check_subject(Identity { subject: claims.sub, expires_at: claims.exp, node_name })
+        let valid_until = valid_until(claims.exp, self.settings.leeway);
+        let identity =
+            check_not_expired(Identity { subject: claims.sub, expires_at: claims.exp, valid_until, node_name })?;
+        self.check_subject(identity)
     }
 }
 
@@ -249,17 +253,6 @@ fn check_shape(token: &str) -> Result<(), AuthError> {
         return Err(AuthError::TooLarge);
     }
     Ok(())
-}
-
-/// The `exp` claim of a token whose authenticity was established elsewhere (TokenReview).
-pub fn unverified_expiry(token: &str) -> Option<u64> {
-    #[derive(Deserialize)]
-    struct Exp {
-        exp: u64,
-    }
-    let payload = token.split('.').nth(1)?;
-    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload.trim_end_matches('=')).ok()?;
-    serde_json::from_slice::<Exp>(&json).ok().map(|e| e.exp)
 }
 
 fn parse_header(token: &str) -> Result<RawHeader, AuthError> {
@@ -298,4 +291,52 @@ fn map_error(e: jsonwebtoken::errors::Error) -> AuthError {
 /// Attacker-controlled text trimmed to something safe to log.
 fn printable(s: &str) -> String {
     s.chars().filter(|c| c.is_ascii_graphic()).take(32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jsonwebtoken::{EncodingKey, Header, encode};
+    use tether_tunnel::jwt::now_unix;
+
+    const SECRET: &[u8] = b"a test secret that is long enough";
+
+    fn verifier(leeway: Duration) -> TokenVerifier {
+        let keys = KeySet::from_hmac_secret(SECRET).unwrap();
+        let settings = VerifierSettings {
+            issuer: "https://issuer.test".into(),
+            audiences: vec!["tether".into()],
+            algorithms: vec![Algorithm::HS256],
+            allowed_subjects: HashSet::new(),
+            leeway,
+        };
+        TokenVerifier::new(settings, Arc::new(KeyStore::new(KeySource::Fixed, keys, Duration::from_secs(1))))
+    }
+
+    fn token(exp: u64) -> String {
+        let claims = serde_json::json!({
+            "iss": "https://issuer.test", "aud": "tether", "sub": "system:serviceaccount:kube-system:tether-agent",
+            "exp": exp, "iat": exp.saturating_sub(600), "nbf": exp.saturating_sub(600),
+        });
+        encode(&Header::new(Algorithm::HS256), &claims, &EncodingKey::from_secret(SECRET).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn admission_and_the_session_deadline_follow_one_expiry_rule() {
+        let now = now_unix();
+        let verifier = verifier(Duration::from_secs(30));
+        // Expired 5 s ago, within the 30 s leeway: accepted, and the session may live until
+        // exp + leeway - not closed the moment it starts.
+        let identity = verifier.verify(&token(now - 5)).await.unwrap();
+        assert_eq!(identity.valid_until, now - 5 + 30);
+        assert!(identity.valid_until > now_unix());
+        // Beyond the leeway: refused as expired, never a session.
+        assert_eq!(verifier.verify(&token(now - 40)).await, Err(AuthError::Expired));
+        // Without leeway a token at its expiry is refused, not admitted with no time left.
+        let strict = super::tests::verifier(Duration::ZERO);
+        assert_eq!(strict.verify(&token(now)).await, Err(AuthError::Expired));
+        assert!(strict.verify(&token(now + 60)).await.is_ok());
+        assert_eq!(AuthError::Expired.status(), 401);
+        assert_eq!(AuthError::Expired.label(), "expired");
+    }
 }

@@ -4,12 +4,13 @@
 //! TokenReview storms.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use super::token::{AuthError, Identity, unverified_expiry};
+use super::token::{AuthError, Identity, valid_until};
 use crate::https_client::HttpsClient;
+use tether_tunnel::jwt::{now_unix, unverified_expiry};
 
 /// Cached reviews kept at most.
 const CACHE_LIMIT: usize = 10_000;
@@ -59,10 +60,14 @@ impl TokenReviewer {
         }
     }
 
-    /// Authenticates `token`, from the cache when a fresh answer is there.
-    pub async fn review(&self, token: &str) -> Result<Identity, AuthError> {
+    /// Authenticates `token`, from the cache when a fresh answer is there. The identity is valid
+    /// until the token's `exp` plus `leeway`; a cached answer never outlives that.
+    pub async fn review(&self, token: &str, leeway: Duration) -> Result<Identity, AuthError> {
         let key = digest(token);
         if let Some(identity) = key.as_ref().and_then(|k| self.cached(k)) {
+            if identity.valid_until <= now_unix() {
+                return Err(AuthError::Expired);
+            }
             return Ok(identity);
         }
         let body = serde_json::json!({
@@ -83,9 +88,10 @@ impl TokenReviewer {
             tracing::debug!(reason = %review.status.error, "TokenReview did not authenticate the token");
             return Err(AuthError::ReviewRejected);
         }
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let now = now_unix();
         let expires_at = unverified_expiry(token).unwrap_or(now + self.ttl.as_secs());
-        if expires_at <= now {
+        let valid_until = valid_until(expires_at, leeway);
+        if valid_until <= now {
             return Err(AuthError::Expired);
         }
         let node_name = review
@@ -95,7 +101,7 @@ impl TokenReviewer {
             .get("authentication.kubernetes.io/node-name")
             .and_then(|names| names.first().cloned())
             .filter(|n| !n.is_empty());
-        let identity = Identity { subject: review.status.user.username, expires_at, node_name };
+        let identity = Identity { subject: review.status.user.username, expires_at, valid_until, node_name };
         if let Some(key) = key {
             self.remember(key, identity.clone());
         }
@@ -126,4 +132,28 @@ fn digest(token: &str) -> Option<[u8; 32]> {
     let suite = rustls::crypto::aws_lc_rs::cipher_suite::TLS13_AES_128_GCM_SHA256.tls13()?;
     let hash = suite.common.hash_provider.hash(token.as_bytes());
     hash.as_ref().try_into().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_cached_answer_never_outlives_the_token() {
+        tether_tunnel::tls::install_default_provider();
+        let tls = rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        // Nothing listens there: every answer below must come from the cache.
+        let client = HttpsClient::new(std::sync::Arc::new(tls), None, Duration::from_millis(200));
+        let reviewer = TokenReviewer::new("https://127.0.0.1:1", client, vec![], Duration::from_secs(600));
+        let now = now_unix();
+        let identity =
+            |valid_until| Identity { subject: "s".into(), expires_at: valid_until, valid_until, node_name: None };
+        let (live, stale) = ("live.token.sig", "stale.token.sig");
+        reviewer.remember(digest(live).unwrap(), identity(now + 60));
+        reviewer.remember(digest(stale).unwrap(), identity(now - 1));
+        assert_eq!(reviewer.review(live, Duration::ZERO).await.map(|i| i.valid_until), Ok(now + 60));
+        assert_eq!(reviewer.review(stale, Duration::ZERO).await, Err(AuthError::Expired));
+    }
 }
