@@ -99,9 +99,14 @@ impl Tools {
         release: &str,
         namespace: &str,
         values: Option<&Path>,
+        kube_version: Option<&str>,
     ) -> Result<String, String> {
         let mut command = Command::new(&self.helm);
         command.args(["template", release]).arg(chart).args(["--namespace", namespace]);
+        if let Some(version) = kube_version {
+            // What `.Capabilities.KubeVersion` says while rendering, as on a server of that version.
+            command.args(["--kube-version", version]);
+        }
         if let Some(values) = values {
             command.arg("--values").arg(values);
         }

@@ -20,8 +20,18 @@ const GATEWAY: &str = "tether-gateway";
 const AGENT: &str = "tether-agent";
 const RELEASE: &str = "tether";
 const NAMESPACE: &str = "tether-system";
-/// Kubernetes versions the manifests must validate against (oldest and newest we support well).
-const KUBERNETES_VERSIONS: [&str; 2] = ["1.30.0", "1.33.0"];
+/// The newest Kubernetes version the pinned kubernetes-validate knows; every rendering must also
+/// validate against its chart's declared minimum (`kubeVersion` in Chart.yaml).
+const NEWEST_KUBERNETES: &str = "1.37.0";
+
+/// The minimum Kubernetes version a chart declares (`kubeVersion: ">=1.25.0-0"` -> `1.25.0`).
+fn declared_minimum(chart: &str) -> String {
+    let text = std::fs::read_to_string(chart_dir(chart).join("Chart.yaml")).unwrap();
+    let line = text.lines().find_map(|l| l.strip_prefix("kubeVersion:")).expect("Chart.yaml declares kubeVersion");
+    let version = line.trim().trim_matches('"').trim_start_matches(">=").trim_end_matches("-0");
+    assert_eq!(version.split('.').count(), 3, "kubeVersion {line:?} is not of the form \">=X.Y.Z-0\"");
+    version.to_owned()
+}
 /// What the chart tests give the downward API's fields.
 const NODE_NAME: &str = "node-1";
 const HOST_IP: &str = "10.0.0.5";
@@ -37,6 +47,11 @@ struct Rendering {
 
 /// Renders `chart` with its default values and with every `ci/` values file.
 fn render_all(tools: &Tools, chart: &str) -> Vec<Rendering> {
+    render_all_for(tools, chart, None)
+}
+
+/// Every values file rendered as for a server of `kube_version` (helm's default when `None`).
+fn render_all_for(tools: &Tools, chart: &str, kube_version: Option<&str>) -> Vec<Rendering> {
     let mut values: Vec<Option<PathBuf>> = vec![None];
     values.extend(ci_values(chart).into_iter().map(Some));
     assert!(values.len() >= 4, "{chart}: expected at least three ci/ values files");
@@ -48,7 +63,7 @@ fn render_all(tools: &Tools, chart: &str) -> Vec<Rendering> {
                 .and_then(Path::file_stem)
                 .map_or_else(|| "default".to_owned(), |s| s.to_string_lossy().into_owned());
             let text = tools
-                .template(&chart_dir(chart), RELEASE, NAMESPACE, values.as_deref())
+                .template(&chart_dir(chart), RELEASE, NAMESPACE, values.as_deref(), kube_version)
                 .unwrap_or_else(|e| panic!("{chart} ({label}) does not render:\n{e}"));
             let docs = tools.parse_yaml(&text);
             assert!(!docs.is_empty(), "{chart} ({label}) rendered nothing");
@@ -206,26 +221,35 @@ fn both_charts_pass_strict_lint_with_every_values_file() {
 }
 
 #[test]
-fn rendered_manifests_validate_strictly_against_two_kubernetes_versions() {
+fn rendered_manifests_validate_strictly_against_the_declared_minimum_and_the_newest_kubernetes() {
     let tools = Tools::find();
     let dir = ScratchDir::new("tether-charts-validate").unwrap();
-    let mut files = Vec::new();
     let mut kinds = BTreeMap::<String, usize>::new();
     for chart in [GATEWAY, AGENT] {
-        for r in render_all(&tools, chart) {
-            let file = dir.path().join(format!("{chart}-{}.yaml", r.label));
-            std::fs::write(&file, &r.text).unwrap();
-            files.push(file);
-            for doc in &r.docs {
-                *kinds.entry(doc["kind"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
-            }
-            // The static pod travels inside a ConfigMap: validate the manifest itself too.
-            if let Some(cm) = find(&r.docs, "ConfigMap", "-static-pod") {
-                let file = dir.path().join(format!("{chart}-{}-static-pod.yaml", r.label));
-                std::fs::write(&file, cm["data"]["tether-agent.yaml"].as_str().expect("static pod manifest")).unwrap();
+        let minimum = declared_minimum(chart);
+        for version in [minimum.as_str(), NEWEST_KUBERNETES] {
+            let mut files = Vec::new();
+            for r in render_all_for(&tools, chart, Some(version)) {
+                let file = dir.path().join(format!("{chart}-{version}-{}.yaml", r.label));
+                std::fs::write(&file, &r.text).unwrap();
                 files.push(file);
-                *kinds.entry("Pod".into()).or_default() += 1;
+                for doc in &r.docs {
+                    *kinds.entry(doc["kind"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+                }
+                // The static pod travels inside a ConfigMap: validate the manifest itself too.
+                if let Some(cm) = find(&r.docs, "ConfigMap", "-static-pod") {
+                    let file = dir.path().join(format!("{chart}-{version}-{}-static-pod.yaml", r.label));
+                    let manifest = cm["data"]["tether-agent.yaml"].as_str().expect("static pod manifest");
+                    std::fs::write(&file, manifest).unwrap();
+                    files.push(file);
+                    *kinds.entry("Pod".into()).or_default() += 1;
+                }
             }
+            // The ServiceMonitor is a custom resource: no Kubernetes schema; its shape is checked below.
+            let output = tools.validate(&files, &[version], &["ServiceMonitor"]).unwrap_or_else(|e| {
+                panic!("{chart}: kubernetes-validate --strict -k {version} refused the rendered manifests:\n{e}")
+            });
+            assert!(!output.contains("ERROR"), "{chart} {version}: {output}");
         }
     }
     for kind in [
@@ -242,11 +266,6 @@ fn rendered_manifests_validate_strictly_against_two_kubernetes_versions() {
     ] {
         assert!(kinds.contains_key(kind), "no {kind} was rendered by any values file: {kinds:?}");
     }
-    let output = tools
-        .validate(&files, &KUBERNETES_VERSIONS, &["ServiceMonitor"])
-        .unwrap_or_else(|e| panic!("kubernetes-validate --strict refused the rendered manifests:\n{e}"));
-    // The ServiceMonitor is a custom resource: no Kubernetes schema; its shape is checked below.
-    assert!(!output.contains("ERROR"), "{output}");
 }
 
 #[test]
@@ -259,7 +278,7 @@ fn bad_values_are_refused_with_a_clear_message() {
             let text = std::fs::read_to_string(&file).unwrap();
             let expected: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# expect: ")).collect();
             assert!(!expected.is_empty(), "{} has no '# expect:' line", file.display());
-            let error = match tools.template(&chart_dir(chart), RELEASE, NAMESPACE, Some(&file)) {
+            let error = match tools.template(&chart_dir(chart), RELEASE, NAMESPACE, Some(&file), None) {
                 Ok(_) => panic!("{chart} accepted {}", file.display()),
                 Err(error) => error,
             };
@@ -543,6 +562,12 @@ fn gateway_chart_renders_the_deployment_hosters_need() {
     assert_eq!(pod["topologySpreadConstraints"][0]["topologyKey"], "topology.kubernetes.io/zone");
     assert_eq!(container(pod, "gateway")["lifecycle"]["preStop"]["sleep"]["seconds"], 5);
     assert_eq!(pod["terminationGracePeriodSeconds"], 60 + 15 + 5);
+    // Before Kubernetes 1.30 (the sleep action's default-on release) the hook runs the image's sleep.
+    let old = render_all_for(&tools, GATEWAY, Some("1.28.0"));
+    let old_pod = &find(&rendering(&old, "ha-values").docs, "Deployment", "").unwrap()["spec"]["template"]["spec"];
+    let pre_stop = &container(old_pod, "gateway")["lifecycle"]["preStop"];
+    assert!(pre_stop.get("sleep").is_none(), "{pre_stop}");
+    assert_eq!(pre_stop["exec"]["command"], serde_json::json!(["/bin/sleep", "5"]));
     assert_eq!(find(&r.docs, "PodDisruptionBudget", "").unwrap()["spec"]["maxUnavailable"], 1);
     let peers = find(&r.docs, "Service", "-peers").expect("peers Service");
     assert_eq!(peers["spec"]["clusterIP"], "None");
@@ -675,7 +700,7 @@ fn tool_versions_are_the_ones_documented() {
     let validate = tools.kubernetes_validate_version();
     let major_minor: Vec<u32> = validate.split('.').take(2).filter_map(|p| p.parse().ok()).collect();
     assert!(
-        major_minor.len() == 2 && (major_minor[0], major_minor[1]) >= (1, 33),
-        "kubernetes-validate {validate} cannot validate against Kubernetes 1.33"
+        major_minor.len() == 2 && (major_minor[0], major_minor[1]) >= (1, 37),
+        "kubernetes-validate {validate} cannot validate against Kubernetes {NEWEST_KUBERNETES}"
     );
 }
