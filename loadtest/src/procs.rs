@@ -93,9 +93,10 @@ const FIXED_PORTS_FROM: u16 = 10_000;
 /// The port is taken below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`): a port
 /// from that range (what binding port 0 returns) may be handed to any outgoing connection between
 /// the check and the child's own bind - and load tests open thousands per second - which made
-/// children fail with "address already in use". A port is handed out at most once per process, so
-/// two listeners picked before either child binds never get the same one. Falls back to an
-/// ephemeral port when the range below is too small or full.
+/// children fail with "address already in use". A port is handed out at most once per process,
+/// and reserved across processes (test runners run several at once) by a file named after it in
+/// `$TMPDIR/tether-test-ports` holding the owner's pid, reclaimed once that process is gone.
+/// Falls back to an ephemeral port when the range below is too small or full.
 pub fn free_loopback() -> anyhow::Result<SocketAddr> {
     static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
@@ -104,10 +105,10 @@ pub fn free_loopback() -> anyhow::Result<SocketAddr> {
         .and_then(|range| range.split_whitespace().next().and_then(|low| low.parse::<u16>().ok()))
         .unwrap_or(32_768);
     if ephemeral_from > FIXED_PORTS_FROM + 1_000 {
-        for _ in 0..64 {
+        for _ in 0..256 {
             let port = fastrand::u16(FIXED_PORTS_FROM..ephemeral_from);
             let mut handed_out = HANDED_OUT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if handed_out.contains(&port) {
+            if handed_out.contains(&port) || !reserve_across_processes(port) {
                 continue;
             }
             if let Ok(listener) = std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port)) {
@@ -118,6 +119,35 @@ pub fn free_loopback() -> anyhow::Result<SocketAddr> {
     }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind a loopback port")?;
     Ok(listener.local_addr()?)
+}
+
+/// Claims `port` for this process unless a live process holds it (see [`free_loopback`]).
+fn reserve_across_processes(port: u16) -> bool {
+    use std::io::Write as _;
+    let dir = std::env::temp_dir().join("tether-test-ports");
+    if std::fs::create_dir_all(&dir).is_err() {
+        return true;
+    }
+    let file = dir.join(port.to_string());
+    for _ in 0..2 {
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&file) {
+            Ok(mut claim) => {
+                let _ = write!(claim, "{}", std::process::id());
+                return true;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let owner = std::fs::read_to_string(&file).ok().and_then(|pid| pid.trim().parse::<u32>().ok());
+                let alive = owner.is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+                if alive {
+                    return false;
+                }
+                // Its owner is gone: reclaim it.
+                let _ = std::fs::remove_file(&file);
+            }
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 /// Limits for a generated gateway.
