@@ -486,7 +486,8 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
     end
 }
 
-/// Serves a drained session's last streams until the deadline, then closes it.
+/// Serves a drained session's last streams until they are done (or the deadline), then closes
+/// it: the gateway can finish its drain as soon as its agents have moved.
 async fn finish_draining(
     session: Session,
     mut incoming: Incoming,
@@ -497,8 +498,16 @@ async fn finish_draining(
     let (_control_write, reader, mut messages) = control;
     let until = tokio::time::sleep(deadline);
     tokio::pin!(until);
+    let mut idle_check = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
+            _ = idle_check.tick() => {
+                // Only the control stream left: nothing in flight.
+                if session.open_streams() <= 1 {
+                    tracing::debug!("drained session has no streams left; closing it");
+                    break;
+                }
+            }
             stream = incoming.accept() => match stream {
                 Some(stream) => {
                     ctx.tasks.spawn(serve_stream(stream, ctx.policy.clone()));
