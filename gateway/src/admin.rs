@@ -9,35 +9,40 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::server::Shared;
+use crate::lifecycle::Lifecycle;
+use crate::peers::PeerSet;
+use crate::tenant::TenantSet;
 
+/// What the admin endpoint reports on.
 #[derive(Clone)]
-struct AdminState {
-    shared: Arc<Shared>,
-    metrics: Option<PrometheusHandle>,
+pub struct AdminState {
+    /// Readiness.
+    pub lifecycle: Arc<Lifecycle>,
+    /// The tenants in force.
+    pub tenants: Arc<TenantSet>,
+    /// The other replicas, when configured.
+    pub peers: Option<Arc<PeerSet>>,
+    /// The metrics exporter, when installed.
+    pub metrics: Option<PrometheusHandle>,
 }
 
 /// The admin routes.
-pub fn router(shared: Arc<Shared>, metrics: Option<PrometheusHandle>) -> Router {
+pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/readyz/tenant/{name}", get(tenant_ready))
         .route("/metrics", get(render_metrics))
-        .with_state(AdminState { shared, metrics })
+        .with_state(state)
 }
 
 /// Ready while every listener is up and the gateway is not draining; the body says why not.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
-    let shared = &state.shared;
-    if shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
-    }
-    if !shared.listeners_up.load(std::sync::atomic::Ordering::Relaxed) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "listeners not up yet\n".into());
+    if let Some(reason) = state.lifecycle.not_ready_reason() {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n"));
     }
     let mut body = String::from("ready\n");
-    for tenant in shared.tenants.load().iter() {
+    for tenant in state.tenants.load().iter() {
         body.push_str(&format!("tenant {}: {} agent sessions\n", tenant.name, tenant.registry.len()));
     }
     (StatusCode::OK, body)
@@ -49,18 +54,17 @@ async fn tenant_ready(
     State(state): State<AdminState>,
     axum::extract::Path(name): axum::extract::Path<String>,
 ) -> (StatusCode, String) {
-    let shared = &state.shared;
-    if shared.unready.load(std::sync::atomic::Ordering::Relaxed) {
+    if state.lifecycle.not_ready_reason() == Some("draining") {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".into());
     }
-    let Some(tenant) = shared.tenants.load().by_name(&name) else {
+    let Some(tenant) = state.tenants.load().by_name(&name) else {
         return (StatusCode::NOT_FOUND, format!("no cluster named {name}\n"));
     };
     let local = tenant.registry.len();
     if local > 0 {
         return (StatusCode::OK, format!("ready: {local} local agent sessions\n"));
     }
-    if shared.peers.as_ref().is_some_and(|p| p.tenant_served_elsewhere(&name)) {
+    if state.peers.as_ref().is_some_and(|p| p.tenant_served_elsewhere(&name)) {
         return (StatusCode::OK, "ready: agents reachable through a peer replica\n".into());
     }
     (StatusCode::SERVICE_UNAVAILABLE, format!("no agent of cluster {name} on this or any peer replica\n"))

@@ -5,6 +5,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use tether_tunnel::untrusted::printable;
 
 use bytes::Bytes;
 use http::header::{
@@ -21,11 +22,21 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-use crate::agent_session::{self, SessionSlots};
+use crate::agent_session::{self, SessionSlots, Sessions};
 use crate::auth::token::AuthError;
+use crate::config::ListenConfig;
 use crate::metrics::AGENT_CONNECTS;
-use crate::server::Shared;
-use crate::tenant::Tenant;
+use crate::tenant::{Tenant, TenantSet};
+
+/// What the agent endpoint serves from.
+pub struct AgentEndpoint {
+    /// The tenants in force (the tenant comes from SNI / Host).
+    pub tenants: Arc<TenantSet>,
+    /// Agent sessions: settings, limits, drain.
+    pub sessions: Arc<Sessions>,
+    /// Trusted proxies (for `X-Forwarded-For`).
+    pub listen: ListenConfig,
+}
 
 /// What the gateway knows about the connection a request arrived on.
 #[derive(Debug, Clone)]
@@ -39,23 +50,28 @@ pub struct ConnInfo {
 type HttpResponse = Response<Full<Bytes>>;
 
 /// Routes a request on the agent port.
-pub async fn handle(req: Request<Incoming>, conn: ConnInfo, shared: Arc<Shared>) -> Result<HttpResponse, Infallible> {
+pub async fn handle(
+    req: Request<Incoming>,
+    conn: ConnInfo,
+    endpoint: Arc<AgentEndpoint>,
+) -> Result<HttpResponse, Infallible> {
     Ok(match req.uri().path() {
-        TUNNEL_PATH => tunnel(req, &conn, &shared).await,
+        TUNNEL_PATH => tunnel(req, &conn, &endpoint).await,
         "/healthz" => text(StatusCode::OK, "ok"),
         _ => text(StatusCode::NOT_FOUND, "not found; agents connect to /v1/tunnel"),
     })
 }
 
-async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -> HttpResponse {
+async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoint) -> HttpResponse {
     if req.method() != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "the tunnel endpoint takes GET with a WebSocket upgrade");
     }
-    let tenant = match tenant_of(req.headers(), conn, shared) {
+    let tenant = match tenant_of(req.headers(), conn, &endpoint.tenants) {
         Ok(tenant) => tenant,
         Err(response) => return *response,
     };
-    if shared.drain_started.is_cancelled() {
+    let sessions = &endpoint.sessions;
+    if sessions.lifecycle.is_draining() {
         return retry_later("gateway is shutting down; connect to another replica");
     }
     let key = match check_upgrade(req.headers()) {
@@ -81,7 +97,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
             return response;
         }
     };
-    let slots = match SessionSlots::reserve(shared, &tenant) {
+    let slots = match SessionSlots::reserve(sessions, &tenant) {
         Ok(slots) => slots,
         Err(reason) => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "limit").increment(1);
@@ -90,9 +106,9 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
         }
     };
 
-    let peer = client_address(req.headers(), conn.peer, &shared.config.listen);
-    let shared_for_task = shared.clone();
-    shared.session_tasks.spawn(async move {
+    let peer = client_address(req.headers(), conn.peer, &endpoint.listen);
+    let for_task = sessions.clone();
+    sessions.lifecycle.spawn_session(async move {
         let upgraded = match Box::pin(hyper::upgrade::on(req)).await {
             Ok(upgraded) => upgraded,
             Err(e) => {
@@ -100,12 +116,16 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
                 return;
             }
         };
-        let shared = shared_for_task;
-        let ws_config = shared.ws.tungstenite_config();
-        let ws =
-            Box::pin(WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(ws_config))).await;
-        let stream = WsByteStream::new(ws, &shared.ws);
-        agent_session::run(shared, tenant, identity, stream, peer, slots).await;
+        let sessions = for_task;
+        let ws_settings = &sessions.settings.ws;
+        let ws = Box::pin(WebSocketStream::from_raw_socket(
+            TokioIo::new(upgraded),
+            Role::Server,
+            Some(ws_settings.tungstenite_config()),
+        ))
+        .await;
+        let stream = WsByteStream::new(ws, ws_settings);
+        agent_session::run(sessions, tenant, identity, stream, peer, slots).await;
     });
 
     let mut response = Response::new(Full::new(Bytes::new()));
@@ -121,9 +141,9 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, shared: &Arc<Shared>) -
 }
 
 /// The tenant named by SNI and/or Host; when both are present they must agree.
-fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Arc<Tenant>, Box<HttpResponse>> {
+fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, tenants: &TenantSet) -> Result<Arc<Tenant>, Box<HttpResponse>> {
     let host = headers.get(HOST).and_then(|h| h.to_str().ok());
-    let tenants = shared.tenants.load();
+    let tenants = tenants.load();
     let by_host = host.map(|h| (h, tenants.for_host(h)));
     let by_sni = conn.sni.as_deref().map(|s| (s, tenants.for_host(s)));
     match (by_sni, by_host) {
@@ -140,13 +160,13 @@ fn tenant_of(headers: &HeaderMap, conn: &ConnInfo, shared: &Shared) -> Result<Ar
         (Some((_, Some(tenant))), None) | (None, Some((_, Some(tenant)))) => Ok(tenant),
         (Some((sni, Some(_))), Some((host, None))) => Err(Box::new(text(
             StatusCode::MISDIRECTED_REQUEST,
-            &format!("Host {} does not match TLS server name {sni}", printable(host)),
+            &format!("Host {} does not match TLS server name {sni}", printable(host, 128)),
         ))),
         (Some((sni, None)), _) => {
-            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni)))))
+            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(sni, 128)))))
         }
         (None, Some((host, None))) => {
-            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host)))))
+            Err(Box::new(text(StatusCode::NOT_FOUND, &format!("no cluster is served at {}", printable(host, 128)))))
         }
         (None, None) => Err(Box::new(text(StatusCode::BAD_REQUEST, "missing Host header"))),
     }
@@ -188,7 +208,7 @@ fn check_upgrade(headers: &HeaderMap) -> Result<String, Box<HttpResponse>> {
 
 /// The agent's address: the TCP peer, or, when the peer is a trusted ingress, the nearest
 /// untrusted address in `X-Forwarded-For` (walking from the right, as each proxy appends).
-fn client_address(headers: &HeaderMap, peer: SocketAddr, listen: &crate::config::ListenConfig) -> SocketAddr {
+fn client_address(headers: &HeaderMap, peer: SocketAddr, listen: &ListenConfig) -> SocketAddr {
     if !listen.is_trusted_proxy(peer.ip()) {
         return peer;
     }
@@ -229,8 +249,4 @@ fn text(status: StatusCode, body: &str) -> HttpResponse {
     *response.status_mut() = status;
     response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
     response
-}
-
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(128).collect()
 }

@@ -3,24 +3,58 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tether_tunnel::framed::{FrameError, forward_frames, read_frame, read_raw_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxStream, Role};
 use tether_tunnel::protocol::{
-    self, ControlMessage, Drain, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, ServerCount, StreamOpen,
-    StreamResult, TokenRefreshResult, Welcome,
+    self, ControlMessage, ErrorCode, Hello, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen, StreamResult,
+    TokenRefreshResult, Welcome,
 };
+use tether_tunnel::untrusted::printable;
 use tokio::io::{AsyncWrite, WriteHalf};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 
 use crate::auth::token::Identity;
+use crate::lifecycle::Lifecycle;
 use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, SESSIONS_CLOSED, TOKEN_REFRESHES};
 use crate::registry::{AgentIdentifiers, AgentSession};
-use crate::server::Shared;
+use crate::session_life::{Action, CloseReason, Event, SessionLife};
+use crate::settings::SessionSettings;
 use crate::tenant::Tenant;
+
+/// What every agent session of this gateway shares.
+pub struct Sessions {
+    /// Identity, transport tuning and timeouts.
+    pub settings: SessionSettings,
+    /// Drain and stop.
+    pub lifecycle: Arc<Lifecycle>,
+    /// Agent sessions across all tenants (`limits.max_agent_sessions`).
+    pub slots: Arc<Semaphore>,
+    /// The replica count, when peers are configured.
+    pub replicas: Option<watch::Receiver<u32>>,
+    next_conn_id: AtomicU64,
+}
+
+impl Sessions {
+    /// Sessions with these settings, at most `max_sessions` at once.
+    pub fn new(
+        settings: SessionSettings,
+        lifecycle: Arc<Lifecycle>,
+        max_sessions: usize,
+        replicas: Option<watch::Receiver<u32>>,
+    ) -> Self {
+        Self {
+            settings,
+            lifecycle,
+            slots: Arc::new(Semaphore::new(max_sessions)),
+            replicas,
+            next_conn_id: AtomicU64::new(1),
+        }
+    }
+}
 
 /// The global and per-tenant session slots a connection holds for its whole life.
 pub struct SessionSlots {
@@ -30,11 +64,11 @@ pub struct SessionSlots {
 
 impl SessionSlots {
     /// Takes a slot from both limits, or says which one is full.
-    pub fn reserve(shared: &Shared, tenant: &Tenant) -> Result<Self, &'static str> {
+    pub fn reserve(sessions: &Sessions, tenant: &Tenant) -> Result<Self, &'static str> {
         let tenant_slot =
             tenant.agent_slots.try_acquire().ok_or("this cluster has reached its agent limit (limits.max_agents)")?;
-        let global_slot = shared
-            .session_slots
+        let global_slot = sessions
+            .slots
             .clone()
             .try_acquire_owned()
             .map_err(|_| "this gateway has reached its agent session limit (limits.max_agent_sessions)")?;
@@ -42,35 +76,9 @@ impl SessionSlots {
     }
 }
 
-/// Why a session ended (a bounded metric label).
-#[derive(Debug, Clone, Copy)]
-enum CloseReason {
-    HandshakeFailed,
-    AgentClosed,
-    ConnectionLost,
-    TokenExpired,
-    ProtocolError,
-    GatewayStopped,
-    TenantRemoved,
-}
-
-impl CloseReason {
-    fn label(self) -> &'static str {
-        match self {
-            Self::HandshakeFailed => "handshake_failed",
-            Self::AgentClosed => "agent_closed",
-            Self::ConnectionLost => "connection_lost",
-            Self::TokenExpired => "token_expired",
-            Self::ProtocolError => "protocol_error",
-            Self::GatewayStopped => "gateway_stopped",
-            Self::TenantRemoved => "tenant_removed",
-        }
-    }
-}
-
 /// Runs a session from just after the upgrade until it ends.
 pub async fn run<T>(
-    shared: Arc<Shared>,
+    sessions: Arc<Sessions>,
     tenant: Arc<Tenant>,
     identity: Identity,
     io: T,
@@ -79,10 +87,10 @@ pub async fn run<T>(
 ) where
     T: mux::Link,
 {
-    let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
-    let (session, mut incoming, driver) = mux::start(io, Role::Server, &shared.mux);
+    let conn_id = sessions.next_conn_id.fetch_add(1, Ordering::Relaxed);
+    let (session, mut incoming, driver) = mux::start(io, Role::Server, &sessions.settings.mux);
     let driver = tokio::spawn(driver);
-    let reason = serve(&shared, &tenant, identity, &session, &mut incoming, peer, conn_id).await;
+    let reason = serve(&sessions, &tenant, identity, &session, &mut incoming, peer, conn_id).await;
     session.close();
     match tokio::time::timeout(Duration::from_secs(5), driver).await {
         Ok(Ok(Err(e))) => tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent tunnel ended"),
@@ -94,7 +102,7 @@ pub async fn run<T>(
 }
 
 async fn serve(
-    shared: &Arc<Shared>,
+    sessions: &Sessions,
     tenant: &Arc<Tenant>,
     identity: Identity,
     session: &mux::Session,
@@ -102,10 +110,10 @@ async fn serve(
     peer: SocketAddr,
     conn_id: u64,
 ) -> CloseReason {
+    let settings = &sessions.settings;
     // Short-lived states are boxed so the session's long-lived future stays small (memory per
     // idle agent).
-    let handshake =
-        Box::pin(tokio::time::timeout(shared.config.limits.handshake_timeout.0, accept_hello(incoming))).await;
+    let handshake = Box::pin(tokio::time::timeout(settings.handshake_timeout, accept_hello(incoming))).await;
     let (mut control, hello) = match handshake {
         Ok(Ok(pair)) => pair,
         Ok(Err(e)) => {
@@ -120,19 +128,19 @@ async fn serve(
 
     let agent_id = match agent_id(&hello, &identity) {
         Ok(id) => id,
-        Err(reason) => return Box::pin(refuse_hello(&mut control, tenant, peer, &reason)).await,
+        Err(reason) => return Box::pin(refuse_hello(&mut control, tenant, peer, &reason.to_string())).await,
     };
     let identifiers = match AgentIdentifiers::from_declared(&hello.identifiers, identity.node_name.as_deref()) {
         Ok(ids) => ids,
-        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason).await,
+        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason.to_string()).await,
     };
-    let mut server_count = shared.peers.as_ref().map(|p| p.watch_count());
+    let mut replicas = sessions.replicas.clone();
     let welcome = ControlMessage::Welcome(Welcome {
-        server_id: shared.server_id.clone(),
-        server_count: server_count.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1),
+        server_id: settings.server_id.clone(),
+        server_count: replicas.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1),
         agent_id: agent_id.clone(),
-        ping_interval_ms: u64::try_from(shared.config.keepalive.ping_interval.0.as_millis()).unwrap_or(u64::MAX),
-        max_streams: u32::try_from(shared.mux.max_streams).unwrap_or(u32::MAX),
+        ping_interval_ms: u64::try_from(settings.ping_interval.as_millis()).unwrap_or(u64::MAX),
+        max_streams: u32::try_from(settings.mux.max_streams).unwrap_or(u32::MAX),
         token_expires_at: Some(identity.expires_at),
     });
     let greeted = async {
@@ -154,34 +162,29 @@ async fn serve(
     let (message_tx, mut messages) = mpsc::channel(16);
     let reader = AbortOnDrop(tokio::spawn(forward_frames(control_read, MAX_CONTROL_FRAME, message_tx)));
     let mut subject = identity.subject;
-    let expiry = tokio::time::sleep_until(deadline(identity.valid_until));
-    tokio::pin!(expiry);
-    let mut drain_sent = false;
-    // Set when the tenant is removed: the session closes when the drain grace period is over.
+    let token_deadline = tokio::time::sleep_until(deadline(identity.valid_until));
+    tokio::pin!(token_deadline);
+    // Armed when the tenant is removed: the session closes when the drain grace period is over.
     let removal_deadline = tokio::time::sleep(Duration::MAX / 4);
     tokio::pin!(removal_deadline);
-    let mut removing = false;
+    let lifecycle = &sessions.lifecycle;
+    let mut life = SessionLife::new(settings.drain_grace_period);
 
     let reason = loop {
-        tokio::select! {
-            () = &mut expiry => {
+        let event = tokio::select! {
+            () = &mut token_deadline => {
                 tracing::warn!(tenant = %tenant.name, agent = %agent_id, "closing session: token expired without refresh");
-                break CloseReason::TokenExpired;
+                Event::TokenDeadline
             }
             message = messages.recv() => match message.map(|m| *m) {
-                None => break CloseReason::AgentClosed,
+                None => Event::ControlClosed,
                 Some(Err(e)) => {
                     tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "bad control message");
-                    break CloseReason::ProtocolError;
+                    Event::ControlBroken
                 }
                 Some(Ok(ControlMessage::TokenRefresh(refresh))) => {
                     let (answer, valid_until) = Box::pin(refresh_token(tenant, &agent_id, &mut subject, &refresh.token)).await;
-                    if let Some(valid_until) = valid_until {
-                        expiry.as_mut().reset(deadline(valid_until));
-                    }
-                    if send(&mut control_write, &ControlMessage::TokenRefreshResult(answer)).await.is_err() {
-                        break CloseReason::ConnectionLost;
-                    }
+                    Event::RefreshChecked { answer, valid_until }
                 }
                 Some(Ok(ControlMessage::IdentifiersUpdate(update))) => {
                     let node = identity.node_name.as_deref();
@@ -189,61 +192,61 @@ async fn serve(
                         Ok(ids) => tenant.registry.update_identifiers(&entry, ids),
                         Err(e) => tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "identifier update ignored"),
                     }
+                    continue;
                 }
-                Some(Ok(other)) => tracing::debug!(tenant = %tenant.name, agent = %agent_id, ?other, "control message ignored"),
+                Some(Ok(other)) => {
+                    tracing::debug!(tenant = %tenant.name, agent = %agent_id, ?other, "control message ignored");
+                    continue;
+                }
             },
             outgoing = control_rx.recv() => {
                 if let Some(message) = outgoing
                     && send(&mut control_write, &message).await.is_err() {
-                        break CloseReason::ConnectionLost;
+                        Event::SendFailed
+                    } else {
+                        continue;
                     }
             }
             stream = incoming.accept() => match stream {
                 Some(stream) => {
                     let (tenant, agent_id) = (tenant.clone(), agent_id.clone());
-                    tokio::spawn(async move { serve_inbound(stream, &tenant, &agent_id).await });
-                }
-                None => break CloseReason::ConnectionLost,
-            },
-            () = shared.drain_started.cancelled(), if !drain_sent => {
-                drain_sent = true;
-                entry.set_draining();
-                let grace = shared.config.drain_grace_period.0;
-                let drain = ControlMessage::Drain(Drain {
-                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
-                    reason: "gateway shutting down".into(),
-                });
-                if send(&mut control_write, &drain).await.is_err() {
-                    break CloseReason::ConnectionLost;
-                }
-            }
-            () = tenant.removed.cancelled(), if !removing => {
-                removing = true;
-                entry.set_draining();
-                let grace = shared.config.drain_grace_period.0;
-                removal_deadline.as_mut().reset(tokio::time::Instant::now() + grace);
-                let drain = ControlMessage::Drain(Drain {
-                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
-                    reason: "cluster removed from this gateway".into(),
-                });
-                tracing::info!(tenant = %tenant.name, agent = %agent_id, "tenant removed; draining its agent");
-                if send(&mut control_write, &drain).await.is_err() {
-                    break CloseReason::TenantRemoved;
-                }
-            }
-            () = &mut removal_deadline, if removing => break CloseReason::TenantRemoved,
-            changed = async { match server_count.as_mut() { Some(c) => c.changed().await, None => std::future::pending().await } } => {
-                if changed.is_err() {
-                    server_count = None;
+                    lifecycle.spawn_connection(async move { serve_inbound(stream, &tenant, &agent_id).await });
                     continue;
                 }
-                let count = server_count.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1);
-                let message = ControlMessage::ServerCount(ServerCount { server_count: count });
-                if send(&mut control_write, &message).await.is_err() {
-                    break CloseReason::ConnectionLost;
-                }
+                None => Event::TransportEnded,
+            },
+            () = lifecycle.drain_started().cancelled(), if !life.drain_sent() => Event::DrainStarted,
+            () = tenant.removed.cancelled(), if !life.removing() => {
+                tracing::info!(tenant = %tenant.name, agent = %agent_id, "tenant removed; draining its agent");
+                Event::TenantRemoved
             }
-            () = shared.hard_stop.cancelled() => break CloseReason::GatewayStopped,
+            () = &mut removal_deadline, if life.removing() => Event::RemovalDeadline,
+            changed = async { match replicas.as_mut() { Some(c) => c.changed().await, None => std::future::pending().await } } => {
+                if changed.is_err() {
+                    replicas = None;
+                    continue;
+                }
+                Event::ReplicaCount(replicas.as_mut().map(|c| *c.borrow_and_update()).unwrap_or(1))
+            }
+            () = lifecycle.hard_stop().cancelled() => Event::HardStop,
+        };
+        let mut closed = None;
+        let mut pending = std::collections::VecDeque::from(life.on(event));
+        while let Some(action) = pending.pop_front() {
+            match action {
+                Action::Send(message) => {
+                    if send(&mut control_write, &message).await.is_err() {
+                        pending.extend(life.on(Event::SendFailed));
+                    }
+                }
+                Action::MoveTokenDeadline(valid_until) => token_deadline.as_mut().reset(deadline(valid_until)),
+                Action::ArmRemovalDeadline(grace) => removal_deadline.as_mut().reset(Instant::now() + grace),
+                Action::StopRouting => entry.set_draining(),
+                Action::Close(reason) => closed = Some(reason),
+            }
+        }
+        if let Some(reason) = closed {
+            break reason;
         }
     };
     drop(reader);
@@ -251,36 +254,54 @@ async fn serve(
     reason
 }
 
+/// Why an agent's handshake failed.
+#[derive(Debug, thiserror::Error)]
+enum HandshakeError {
+    #[error("session closed before the control stream")]
+    NoControlStream,
+    #[error("first stream was {0:?}, not control")]
+    NotControl(String),
+    #[error("expected Hello, got {0}")]
+    NotHello(String),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
 /// Waits for the control stream and the agent's Hello.
-async fn accept_hello(incoming: &mut Incoming) -> Result<(MuxStream, Hello), String> {
-    let mut control = incoming.accept().await.ok_or("session closed before the control stream")?;
-    let raw = read_raw_frame(&mut control, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+async fn accept_hello(incoming: &mut Incoming) -> Result<(MuxStream, Hello), HandshakeError> {
+    let mut control = incoming.accept().await.ok_or(HandshakeError::NoControlStream)?;
+    let raw = read_raw_frame(&mut control, MAX_STREAM_FRAME).await?;
     match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {
         Ok(Some((StreamOpen::Control(_), _))) => {}
         _ => {
             let refusal = StreamResult::refused(ErrorCode::BadRequest, "the first stream must be the control stream");
             let _ = write_frame(&mut control, &refusal, MAX_STREAM_FRAME).await;
-            return Err(format!("first stream was {:?}, not control", protocol::stream_kind_name(&raw)));
+            return Err(HandshakeError::NotControl(format!("{:?}", protocol::stream_kind_name(&raw))));
         }
     }
     match read_frame::<ControlMessage, _>(&mut control, MAX_CONTROL_FRAME).await {
         Ok(ControlMessage::Hello(hello)) => Ok((control, hello)),
-        Ok(other) => Err(format!("expected Hello, got {other:?}")),
-        Err(e) => Err(e.to_string()),
+        Ok(other) => Err(HandshakeError::NotHello(format!("{other:?}"))),
+        Err(e) => Err(e.into()),
     }
 }
 
+/// An agent id that cannot be registered.
+#[derive(Debug, thiserror::Error)]
+#[error("agent_id must be 1-253 printable ASCII characters")]
+struct BadAgentId;
+
 /// The agent's registered id: the node a bound token proves wins over what the agent claims.
-fn agent_id(hello: &Hello, identity: &Identity) -> Result<String, String> {
+fn agent_id(hello: &Hello, identity: &Identity) -> Result<String, BadAgentId> {
     if let Some(node) = &identity.node_name {
         if !hello.agent_id.is_empty() && !hello.agent_id.eq_ignore_ascii_case(node) {
-            tracing::warn!(claimed = %printable(&hello.agent_id), proven = %node, "agent id differs from the node its token is bound to; using the node");
+            tracing::warn!(claimed = %printable(&hello.agent_id, 253), proven = %node, "agent id differs from the node its token is bound to; using the node");
         }
         return Ok(node.clone());
     }
     let id = hello.agent_id.trim();
     if id.is_empty() || id.len() > 253 || !id.chars().all(|c| c.is_ascii_graphic()) {
-        return Err("agent_id must be 1-253 printable ASCII characters".into());
+        return Err(BadAgentId);
     }
     Ok(id.to_owned())
 }
@@ -385,8 +406,4 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(253).collect()
 }

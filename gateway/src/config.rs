@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tether_tunnel::duration::HumanDuration;
+use tether_tunnel::settings::SettingsError;
 use tether_tunnel::telemetry::LogConfig;
 
 /// The whole gateway configuration.
@@ -373,16 +374,21 @@ pub struct FrontendConfig {
 impl FrontendConfig {
     /// The socket file's permission bits from `uds_mode`: `None` when unset, an error when it is
     /// not an octal mode of at most 0777.
-    pub fn uds_permissions(&self) -> Option<Result<u32, String>> {
+    pub fn uds_permissions(&self) -> Option<Result<u32, InvalidMode>> {
         let mode = self.uds_mode.as_deref()?;
         Some(
             u32::from_str_radix(mode.trim_start_matches("0o"), 8)
                 .ok()
                 .filter(|bits| *bits <= 0o777)
-                .ok_or_else(|| format!("{mode:?} is not an octal mode such as \"0660\"")),
+                .ok_or_else(|| InvalidMode(mode.to_owned())),
         )
     }
 }
+
+/// A `uds_mode` that is not an octal permission mode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not an octal mode such as \"0660\"")]
+pub struct InvalidMode(pub String);
 
 /// A TCP CONNECT frontend.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -542,14 +548,14 @@ pub const HMAC_ALGORITHMS: &[&str] = &["HS256", "HS384", "HS512"];
 
 impl GatewayConfig {
     /// Loads the file (if any) plus environment overrides, then validates.
-    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+    pub fn load(file: Option<&Path>) -> Result<Self, SettingsError> {
         Self::load_checked(file, true)
     }
 
     /// Like [`load`](Self::load); with `check_files` false, referenced files need not exist
     /// (checking a configuration rendered for another machine, e.g. a Helm chart).
-    pub fn load_checked(file: Option<&Path>, check_files: bool) -> anyhow::Result<Self> {
-        Ok(tether_tunnel::settings::load_validated(file, |c: &Self| c.validate_with(check_files))?)
+    pub fn load_checked(file: Option<&Path>, check_files: bool) -> Result<Self, SettingsError> {
+        tether_tunnel::settings::load_validated(file, |c: &Self| c.validate_with(check_files))
     }
 
     /// Every problem found, each naming its key and the fix. Empty when the configuration is usable.
@@ -749,7 +755,7 @@ impl GatewayConfig {
                 }
             }
             if let Some(Err(reason)) = frontend.uds_permissions() {
-                problems.push(problem(key("frontend.uds_mode"), reason));
+                problems.push(problem(key("frontend.uds_mode"), reason.to_string()));
             }
             if let Some(path) = &frontend.uds {
                 if !sockets.insert(path.clone()) {
@@ -807,7 +813,7 @@ impl GatewayConfig {
                         problems.push(problem(tkey("name"), format!("{:?} is listed twice", target.name)));
                     }
                     match crate::target::DialTarget::parse(&target.address) {
-                        Err(e) => problems.push(problem(tkey("address"), e)),
+                        Err(e) => problems.push(problem(tkey("address"), e.to_string())),
                         Ok(parsed) => {
                             if matches!(parsed.host, crate::target::TargetHost::Name(_))
                                 && target.allowed_networks.is_empty()

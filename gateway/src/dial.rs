@@ -1,24 +1,26 @@
-//! Dialing a node-side target through one of the tenant's agents.
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+//! Opening the routes the router chooses: a stream on one of this replica's agent sessions (a
+//! dial request, then the agent's answer), or a connection to a peer replica that dials through
+//! its own agent. Where a dial goes is decided in [`crate::router`]; here a failure that left the
+//! target untouched (`DialError::is_retryable`) moves on to the router's next route.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
 use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::mux::{MuxError, MuxStream};
 use tether_tunnel::protocol::{DialRequest, ErrorCode, MAX_STREAM_FRAME, StreamOpen, StreamResult};
-
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::config::RoutingStrategy;
-use crate::server::Shared;
-
 use crate::metrics::{DIAL_DURATION, DIALS, STREAMS_OPEN};
+use crate::peers::PeerSet;
+use crate::peers::client::ForwardError;
 use crate::registry::{AgentSession, StreamGuard};
+use crate::router::{Route, Router, Scope};
 use crate::target::DialTarget;
 use crate::tenant::Tenant;
 
@@ -66,6 +68,13 @@ impl DialError {
             Self::Refused { code: ErrorCode::LimitExceeded | ErrorCode::Draining, .. } => 503,
             Self::Refused { .. } | Self::Tunnel(_) => 502,
         }
+    }
+
+    /// Whether another route may still serve the dial: nothing reached the target (the session
+    /// broke before the agent answered, or the peer no longer holds a suitable agent). An agent's
+    /// own refusal, a timeout or a limit is final.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Tunnel(_) | Self::NoAgent(_))
     }
 
     /// Bounded label for the dials metric.
@@ -149,134 +158,168 @@ impl Drop for OpenStreamGauge {
 
 static REQUEST_IDS: AtomicU64 = AtomicU64::new(1);
 
-/// Dials `target` for `tenant`: each routing strategy is tried on this replica's agents first,
-/// then on peer replicas whose agents match (one hop). Records the outcome in metrics.
-pub async fn dial(shared: &Shared, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
-    let started = Instant::now();
-    let result = dial_routed(shared, tenant, target).await;
-    let label = match &result {
-        Ok(_) => "ok",
-        Err(e) => e.label(),
-    };
-    metrics::counter!(DIALS, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
-    metrics::histogram!(DIAL_DURATION, "tenant" => tenant.name.to_string()).record(started.elapsed().as_secs_f64());
-    result
+/// Opens dials along the routes a [`Router`] chooses.
+#[derive(Clone, Default)]
+pub struct Dialer {
+    router: Router,
+    peers: Option<Arc<PeerSet>>,
 }
 
-async fn dial_routed(shared: &Shared, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
-    let config = tenant.config();
-    let Some(peers) = shared.peers.as_ref() else {
-        return dial_local(tenant, target, &config.routing).await;
-    };
-    match dial_through_replicas(tenant, target, peers, &config).await {
-        Err(DialError::NoAgent(_)) => {
-            // Inventories may be stale (this replica just started, or agents just moved): look
-            // again once before giving up. A dial fails only if no replica holds a suitable agent.
-            peers.refresh_if_older_than(Duration::from_millis(100)).await;
-            dial_through_replicas(tenant, target, peers, &config).await
-        }
-        other => other,
+impl Dialer {
+    /// A dialer over this replica's agents and, when configured, its peers.
+    pub fn new(peers: Option<Arc<PeerSet>>) -> Self {
+        Self { router: Router::new(peers.clone()), peers }
     }
-}
 
-async fn dial_through_replicas(
-    tenant: &Tenant,
-    target: &DialTarget,
-    peers: &crate::peers::PeerSet,
-    config: &crate::config::TenantConfig,
-) -> Result<Dialed, DialError> {
-    let timeout = config.limits.dial_timeout.0;
-    for strategy in &config.routing {
-        if tenant.registry.pick_for(target, std::slice::from_ref(strategy)).is_some() {
-            match dial_local(tenant, target, std::slice::from_ref(strategy)).await {
-                // The local session broke or left (the agent is moving): its other sessions are
-                // on the peers.
-                Err(DialError::Tunnel(_) | DialError::NoAgent(_)) => {}
-                other => return other,
-            }
-        }
-        for (addr, server_id) in peers.candidates(&tenant.name, *strategy, target).into_iter().take(2) {
-            let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(config.limits.max_streams))?;
-            match peers.client().forward(addr, &tenant.name, *strategy, target, timeout).await {
-                Ok(stream) => {
-                    tracing::debug!(tenant = %tenant.name, %target, peer = %server_id, "dial forwarded to a peer replica");
+    /// Dials `target` for `tenant` along the whole routing chain, here and through peers; records
+    /// the outcome in metrics.
+    pub async fn dial(&self, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
+        let started = Instant::now();
+        let result = self.dial_scoped(tenant, target, Scope::Everywhere).await;
+        let label = match &result {
+            Ok(_) => "ok",
+            Err(e) => e.label(),
+        };
+        metrics::counter!(DIALS, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
+        metrics::histogram!(DIAL_DURATION, "tenant" => tenant.name.to_string()).record(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Dials within `scope`, within the tenant's limits: the routes are tried in the router's order
+    /// while failures are retryable.
+    pub async fn dial_scoped(&self, tenant: &Tenant, target: &DialTarget, scope: Scope) -> Result<Dialed, DialError> {
+        let config = tenant.config();
+        let limits = &config.limits;
+        let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(limits.max_streams))?;
+        let _pending = tenant.pending_dials.try_acquire().ok_or(DialError::TooManyPending(limits.max_pending_dials))?;
+        let timeout = limits.dial_timeout.0;
+        let request = StreamOpen::Dial(DialRequest {
+            target: target.to_string(),
+            timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
+            request_id: REQUEST_IDS.fetch_add(1, Ordering::Relaxed),
+        });
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut routes = self.router.route(tenant, target, scope, deadline);
+        let mut last_error = None;
+        while let Some(route) = routes.next().await {
+            match self.open(tenant, &route, &request, target, timeout).await {
+                Ok((stream, load)) => {
+                    tracing::debug!(tenant = %tenant.name, %target, carrier = %route.carrier(), "dial established");
                     return Ok(Dialed {
-                        stream: DialedStream::Peer(Box::new(stream)),
-                        carrier: format!("via {server_id}"),
-                        _load: None,
+                        stream,
+                        carrier: route.carrier(),
+                        _load: load,
                         _permit: permit,
                         _open: OpenStreamGauge::new(&tenant.name),
                     });
                 }
-                // The peer's agents no longer match, or the peer is unreachable: try another.
-                Err(DialError::NoAgent(_) | DialError::Tunnel(_)) => continue,
-                Err(other) => return Err(other),
-            }
-        }
-    }
-    Err(DialError::NoAgent(target.to_string()))
-}
-
-/// Dials `target` through this replica's own agents only, trying `chain` in order.
-pub async fn dial_local(tenant: &Tenant, target: &DialTarget, chain: &[RoutingStrategy]) -> Result<Dialed, DialError> {
-    let config = tenant.config();
-    let limits = &config.limits;
-    let permit = tenant.streams.try_acquire().ok_or(DialError::TooManyStreams(limits.max_streams))?;
-    let _pending = tenant.pending_dials.try_acquire().ok_or(DialError::TooManyPending(limits.max_pending_dials))?;
-    let request_id = REQUEST_IDS.fetch_add(1, Ordering::Relaxed);
-    let timeout = limits.dial_timeout.0;
-    let request = StreamOpen::Dial(DialRequest {
-        target: target.to_string(),
-        timeout_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
-        request_id,
-    });
-
-    // A session that broke since it was picked is skipped once in favour of another agent.
-    let mut last_error = None;
-    for _attempt in 0..2 {
-        let agent = tenant.registry.pick_for(target, chain).ok_or_else(|| DialError::NoAgent(target.to_string()))?;
-        let load = agent.stream_guard();
-        let attempt = tokio::time::timeout(timeout + ANSWER_MARGIN, open_and_ask(&agent, &request)).await;
-        match attempt {
-            Err(_) => return Err(DialError::Timeout(timeout)),
-            Ok(Ok(stream)) => {
-                tracing::debug!(tenant = %tenant.name, %target, request_id, agent = %agent.agent_id, "dial established");
-                return Ok(Dialed {
-                    stream: DialedStream::Local(stream),
-                    carrier: agent.agent_id.clone(),
-                    _load: Some(load),
-                    _permit: permit,
-                    _open: OpenStreamGauge::new(&tenant.name),
-                });
-            }
-            Ok(Err(AttemptError::Answer(result))) => {
-                let code = result.code.unwrap_or(ErrorCode::Other);
-                let message = result.message.unwrap_or_else(|| code.to_string());
-                return Err(DialError::Refused { code, message, agent: agent.agent_id.clone() });
-            }
-            Ok(Err(AttemptError::Session(e))) => {
-                tracing::debug!(tenant = %tenant.name, %target, request_id, agent = %agent.agent_id, error = %e, "session failed during dial; trying another agent");
-                if matches!(e, MuxError::Closed) {
-                    agent.set_draining();
+                Err(e) if e.is_retryable() => {
+                    tracing::debug!(tenant = %tenant.name, %target, carrier = %route.carrier(), error = %e, "route failed before reaching the target; trying the next");
+                    last_error = Some(e);
                 }
-                last_error = Some(e.to_string());
+                Err(e) => return Err(e),
             }
-            Ok(Err(AttemptError::Stream(e))) => last_error = Some(e),
+        }
+        Err(last_error.unwrap_or_else(|| DialError::NoAgent(target.to_string())))
+    }
+
+    async fn open(
+        &self,
+        tenant: &Tenant,
+        route: &Route,
+        request: &StreamOpen,
+        target: &DialTarget,
+        timeout: Duration,
+    ) -> Result<(DialedStream, Option<StreamGuard>), DialError> {
+        match route {
+            Route::Local(agent) => {
+                let load = agent.stream_guard();
+                let stream = open_on_session(agent, request, timeout).await?;
+                Ok((DialedStream::Local(stream), Some(load)))
+            }
+            Route::Peer { addr, strategy, .. } => {
+                let Some(peers) = &self.peers else { return Err(DialError::NoAgent(target.to_string())) };
+                let stream = peers
+                    .client()
+                    .forward(*addr, &tenant.name, *strategy, target, timeout)
+                    .await
+                    .map_err(|e| forward_error(e, target, timeout))?;
+                Ok((DialedStream::Peer(Box::new(stream)), None))
+            }
         }
     }
-    Err(DialError::Tunnel(last_error.unwrap_or_default()))
 }
 
-enum AttemptError {
-    Session(MuxError),
-    Stream(String),
-    Answer(StreamResult),
+/// Opens a stream on `agent`'s session, sends the dial request and reads the agent's answer.
+async fn open_on_session(
+    agent: &AgentSession,
+    request: &StreamOpen,
+    timeout: Duration,
+) -> Result<MuxStream, DialError> {
+    let attempt = async {
+        let mut stream = agent.session.open().await.map_err(|e| {
+            if matches!(e, MuxError::Closed) {
+                // The session ended since it was picked: route elsewhere from now on.
+                agent.set_draining();
+            }
+            DialError::Tunnel(e.to_string())
+        })?;
+        write_frame(&mut stream, request, MAX_STREAM_FRAME).await.map_err(|e| DialError::Tunnel(e.to_string()))?;
+        let result: StreamResult =
+            read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| DialError::Tunnel(e.to_string()))?;
+        if result.ok {
+            return Ok(stream);
+        }
+        let code = result.code.unwrap_or(ErrorCode::Other);
+        let message = result.message.unwrap_or_else(|| code.to_string());
+        Err(DialError::Refused { code, message, agent: agent.agent_id.clone() })
+    };
+    tokio::time::timeout(timeout + ANSWER_MARGIN, attempt).await.map_err(|_| DialError::Timeout(timeout))?
 }
 
-async fn open_and_ask(agent: &AgentSession, request: &StreamOpen) -> Result<MuxStream, AttemptError> {
-    let mut stream = agent.session.open().await.map_err(AttemptError::Session)?;
-    write_frame(&mut stream, request, MAX_STREAM_FRAME).await.map_err(|e| AttemptError::Stream(e.to_string()))?;
-    let result: StreamResult =
-        read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| AttemptError::Stream(e.to_string()))?;
-    if result.ok { Ok(stream) } else { Err(AttemptError::Answer(result)) }
+/// The dial error a peer's answer stands for, from its status and `Tether-Dial-Error` label.
+fn forward_error(error: ForwardError, target: &DialTarget, timeout: Duration) -> DialError {
+    let (status, label, message) = match error {
+        ForwardError::Unreachable(reason) => return DialError::Tunnel(format!("peer: {reason}")),
+        ForwardError::TimedOut => return DialError::Timeout(timeout),
+        ForwardError::Refused { status, label, message } => (status, label, message),
+    };
+    match (status, label.as_deref()) {
+        // The peer's session to the agent broke before the agent answered: nothing reached the
+        // target, so another replica may serve the dial.
+        (_, Some("tunnel_error")) => DialError::Tunnel(format!("peer: {message}")),
+        (403, _) => DialError::Refused { code: ErrorCode::NotAllowed, message, agent: "peer".into() },
+        (502, _) => DialError::Refused { code: ErrorCode::DialFailed, message, agent: "peer".into() },
+        (504, _) => DialError::Timeout(timeout),
+        (429, _) => DialError::TooManyPending(0),
+        (503, _) => DialError::NoAgent(target.to_string()),
+        (other, _) => DialError::Tunnel(format!("peer answered {other}: {message}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_session_on_the_peer_is_retryable_and_a_refusal_is_final() {
+        let target = DialTarget::parse("10.0.0.5:10250").unwrap();
+        let timeout = Duration::from_secs(5);
+        let err = |status, label: Option<&str>| {
+            let refused = ForwardError::Refused { status, label: label.map(str::to_owned), message: "why".into() };
+            forward_error(refused, &target, timeout)
+        };
+        // Both 502: only the label tells them apart.
+        assert!(matches!(err(502, Some("tunnel_error")), DialError::Tunnel(_)));
+        assert!(matches!(err(502, Some("dial_failed")), DialError::Refused { code: ErrorCode::DialFailed, .. }));
+        // An older peer without the header: the status alone decides, as before.
+        assert!(matches!(err(502, None), DialError::Refused { .. }));
+        assert!(matches!(err(503, Some("no_agent")), DialError::NoAgent(_)));
+        assert!(matches!(err(403, None), DialError::Refused { code: ErrorCode::NotAllowed, .. }));
+        assert!(matches!(err(504, None), DialError::Timeout(_)));
+        assert!(matches!(err(418, None), DialError::Tunnel(_)));
+        assert!(err(502, Some("tunnel_error")).is_retryable() && err(503, None).is_retryable());
+        assert!(!err(403, None).is_retryable() && !err(504, None).is_retryable() && !err(429, None).is_retryable());
+        assert!(forward_error(ForwardError::Unreachable("refused".into()), &target, timeout).is_retryable());
+    }
 }

@@ -3,9 +3,11 @@
 //! the target's allowed networks, connects, and splices raw bytes (TLS is never terminated, so
 //! clients see the control plane's own certificate). Nothing is allowed unless listed.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
+use tether_tunnel::untrusted::printable;
 
+use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::write_frame;
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{ErrorCode, MAX_STREAM_FRAME, StreamResult};
@@ -32,7 +34,7 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
         )),
         None => Err(StreamResult::refused(
             ErrorCode::NotAllowed,
-            format!("{:?} is not on cluster {}'s node_to_controlplane list", printable(requested), tenant.name),
+            format!("{:?} is not on cluster {}'s node_to_controlplane list", printable(requested, 64), tenant.name),
         )),
     };
     let result_label = match &outcome {
@@ -47,7 +49,7 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
             tracing::info!(
                 tenant = %tenant.name,
                 agent = %agent_id,
-                target = %printable(requested),
+                target = %printable(requested, 64),
                 reason = refusal.message.as_deref().unwrap_or_default(),
                 "forward refused"
             );
@@ -95,51 +97,36 @@ async fn connect(
         )
     })?;
     let timeout = limits.dial_timeout.0;
-    let deadline = tokio::time::Instant::now() + timeout;
-    let timed_out = || {
-        StreamResult::refused(
-            ErrorCode::Timeout,
-            format!("connecting to {} timed out after {} ms", target.name, timeout.as_millis()),
-        )
-    };
     let parsed = DialTarget::parse(&target.address).map_err(|e| {
         StreamResult::refused(ErrorCode::DialFailed, format!("target {} is misconfigured: {e}", target.name))
     })?;
-    let candidates: Vec<SocketAddr> = match &parsed.host {
-        TargetHost::Ip(ip) => vec![SocketAddr::new(*ip, parsed.port)],
-        TargetHost::Name(name) => {
-            tokio::time::timeout_at(deadline, tokio::net::lookup_host((name.as_str(), parsed.port)))
-                .await
-                .map_err(|_| timed_out())?
-                .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {name}: {e}")))?
-                .collect()
-        }
+    let host = match &parsed.host {
+        TargetHost::Ip(ip) => ip.to_string(),
+        TargetHost::Name(name) => name.clone(),
     };
-    let allowed: Vec<SocketAddr> =
-        candidates.iter().copied().filter(|a| address_allowed(target, &parsed, a.ip())).collect();
-    if allowed.is_empty() {
-        let shown: Vec<String> = candidates.iter().take(4).map(|a| a.ip().to_string()).collect();
-        return Err(StreamResult::refused(
-            ErrorCode::NotAllowed,
-            format!(
-                "target {} resolves to {} which is outside its allowed networks",
-                target.name,
-                if shown.is_empty() { "nothing".to_owned() } else { shown.join(", ") }
+    let upstream = connect_allowed(&host, parsed.port, timeout, |ip| address_allowed(target, &parsed, ip))
+        .await
+        .map_err(|e| match e {
+            AllowedConnectError::NotAllowed { .. } => StreamResult::refused(
+                ErrorCode::NotAllowed,
+                format!(
+                    "target {} resolves to {} which is outside its allowed networks",
+                    target.name,
+                    e.shown_addresses()
+                ),
             ),
-        ));
-    }
-    let mut last_error = String::new();
-    for addr in allowed {
-        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
-            Err(_) => return Err(timed_out()),
-            Ok(Ok(upstream)) => {
-                let _ = upstream.set_nodelay(true);
-                return Ok((upstream, permit));
+            AllowedConnectError::TimedOut(_) => StreamResult::refused(
+                ErrorCode::Timeout,
+                format!("connecting to {} timed out after {} ms", target.name, timeout.as_millis()),
+            ),
+            AllowedConnectError::Resolve { host, reason } => {
+                StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {host}: {reason}"))
             }
-            Ok(Err(e)) => last_error = format!("{addr}: {e}"),
-        }
-    }
-    Err(StreamResult::refused(ErrorCode::DialFailed, format!("cannot connect to {}: {last_error}", target.name)))
+            AllowedConnectError::Failed(last) => {
+                StreamResult::refused(ErrorCode::DialFailed, format!("cannot connect to {}: {last}", target.name))
+            }
+        })?;
+    Ok((upstream, permit))
 }
 
 /// An IP literal target allows exactly itself; a DNS name allows addresses in its networks.
@@ -152,10 +139,6 @@ fn address_allowed(target: &ForwardTarget, parsed: &DialTarget, ip: IpAddr) -> b
         TargetHost::Ip(listed) => listed == ip || target.allowed_networks.iter().any(|n| n.contains(&ip)),
         TargetHost::Name(_) => target.allowed_networks.iter().any(|n| n.contains(&ip)),
     }
-}
-
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(64).collect()
 }
 
 /// How long forward streams may take to send their header (also used by the session).

@@ -57,5 +57,5 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
         }
     };
-    gateway.run(shutdown).await
+    Ok(gateway.run(shutdown).await?)
 }

@@ -1,19 +1,23 @@
-//! The agents of one tenant and how a dial picks one of them.
+//! The agents of one tenant on this replica: their sessions, what each can reach, and the
+//! candidates a routing strategy finds among them.
 //!
 //! Each live session is an entry (an agent may hold several sessions, e.g. during a reconnect).
 //! Lookups by host name and address are hash lookups; least-loaded picks the less busy of two
 //! random sessions ("power of two choices"), so routing stays O(1) with tens of thousands of agents.
+//! The registry also remembers, for a while, what sessions that left could reach: a dial for a
+//! node whose agent just moved to another replica is then known to belong to that node.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use tether_tunnel::mux;
 use tether_tunnel::protocol::{ControlMessage, Identifiers};
-use tokio::sync::mpsc;
+use tether_tunnel::untrusted::printable;
+use tokio::sync::{Notify, mpsc};
 
 use crate::config::RoutingStrategy;
 use crate::target::{DialTarget, TargetHost};
@@ -31,11 +35,25 @@ pub struct AgentIdentifiers {
     pub default_route: bool,
 }
 
+/// Why an agent's declared identifiers were refused (the reason goes back to the agent).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentifiersError {
+    /// A CIDR that does not parse.
+    #[error("{0:?} is not a CIDR")]
+    NotCidr(String),
+    /// More than [`MAX_IDENTIFIERS`].
+    #[error("too many identifiers (at most {MAX_IDENTIFIERS})")]
+    TooMany,
+}
+
+/// Most identifiers one agent may declare.
+pub const MAX_IDENTIFIERS: usize = 4096;
+
 impl AgentIdentifiers {
     /// Parses what the agent declared. When its token proves a node (`node_name`), that name is
     /// a host identifier and the agent may declare no other node's name: declared host names must
     /// be the node name or start with `<node name>.` (its FQDNs); others are dropped.
-    pub fn from_declared(declared: &Identifiers, node_name: Option<&str>) -> Result<Self, String> {
+    pub fn from_declared(declared: &Identifiers, node_name: Option<&str>) -> Result<Self, IdentifiersError> {
         let mut hosts: HashSet<String> = declared.hosts.iter().map(|h| h.to_ascii_lowercase()).collect();
         if let Some(node) = node_name {
             let node = node.to_ascii_lowercase();
@@ -52,10 +70,10 @@ impl AgentIdentifiers {
         let cidrs = declared
             .cidrs
             .iter()
-            .map(|c| c.parse::<IpNet>().map(|n| n.trunc()).map_err(|_| format!("{c:?} is not a CIDR")))
+            .map(|c| c.parse::<IpNet>().map(|n| n.trunc()).map_err(|_| IdentifiersError::NotCidr(printable(c, 64))))
             .collect::<Result<Vec<_>, _>>()?;
-        if hosts.len() + declared.addresses.len() + cidrs.len() > 4096 {
-            return Err("too many identifiers (at most 4096)".into());
+        if hosts.len() + declared.addresses.len() + cidrs.len() > MAX_IDENTIFIERS {
+            return Err(IdentifiersError::TooMany);
         }
         Ok(Self {
             hosts,
@@ -65,7 +83,8 @@ impl AgentIdentifiers {
         })
     }
 
-    fn matches(&self, host: &TargetHost) -> bool {
+    /// Whether these identifiers claim the target's host (the `dest_host` match).
+    pub fn matches(&self, host: &TargetHost) -> bool {
         match host {
             TargetHost::Ip(ip) => self.addresses.contains(ip) || self.cidrs.iter().any(|n| n.contains(ip)),
             TargetHost::Name(name) => self.hosts.contains(name),
@@ -181,32 +200,33 @@ impl SessionSet {
         }
     }
 
-    fn pick_least_loaded(&self) -> Option<Arc<AgentSession>> {
-        pick_least_loaded(&self.items)
+    fn two_choices(&self) -> Vec<Arc<AgentSession>> {
+        two_choices(&self.items)
     }
 }
 
-/// The less loaded of two random usable sessions (all of them when there are few).
-fn pick_least_loaded(items: &[Arc<AgentSession>]) -> Option<Arc<AgentSession>> {
-    if items.len() <= 4 {
-        return items.iter().filter(|s| s.is_usable()).min_by_key(|s| s.load()).cloned();
+/// Two random usable sessions ("power of two choices"; all of them when there are few): the
+/// caller takes the less loaded first and keeps the other in reserve.
+fn two_choices(items: &[Arc<AgentSession>]) -> Vec<Arc<AgentSession>> {
+    if items.len() <= MAX_CANDIDATES {
+        return items.iter().filter(|s| s.is_usable()).cloned().collect();
     }
-    let mut best: Option<&Arc<AgentSession>> = None;
+    let mut picked: Vec<Arc<AgentSession>> = Vec::with_capacity(2);
     // A few tries, in case some picks are draining.
     for _ in 0..8 {
         let candidate = &items[fastrand::usize(..items.len())];
-        if !candidate.is_usable() {
-            continue;
-        }
-        best = match best {
-            Some(b) if b.load() <= candidate.load() => Some(b),
-            _ => Some(candidate),
-        };
-        if best.is_some_and(|b| !Arc::ptr_eq(b, candidate)) {
-            break;
+        if candidate.is_usable() && !picked.iter().any(|p| Arc::ptr_eq(p, candidate)) {
+            picked.push(candidate.clone());
+            if picked.len() == 2 {
+                return picked;
+            }
         }
     }
-    best.cloned().or_else(|| items.iter().filter(|s| s.is_usable()).min_by_key(|s| s.load()).cloned())
+    if picked.is_empty() {
+        // Mostly draining: look at all of them.
+        picked.extend(items.iter().filter(|s| s.is_usable()).take(2).cloned());
+    }
+    picked
 }
 
 #[derive(Default)]
@@ -222,6 +242,9 @@ struct Inner {
 #[derive(Default)]
 pub struct AgentRegistry {
     inner: RwLock<Inner>,
+    /// What sessions that left could reach.
+    departed: Mutex<ClaimMemory>,
+    added: Notify,
 }
 
 impl AgentRegistry {
@@ -231,14 +254,20 @@ impl AgentRegistry {
         let Ok(mut inner) = self.inner.write() else { return };
         inner.index(&session, &identifiers);
         inner.all.insert(session);
+        drop(inner);
+        self.added.notify_waiters();
     }
 
     /// Removes a session from routing.
     pub fn deregister(&self, session: &AgentSession) {
         let identifiers = session.identifiers();
-        let Ok(mut inner) = self.inner.write() else { return };
-        inner.unindex(session.conn_id, &identifiers);
-        inner.all.remove(session.conn_id);
+        if let Ok(mut inner) = self.inner.write() {
+            inner.unindex(session.conn_id, &identifiers);
+            inner.all.remove(session.conn_id);
+        }
+        if let Ok(mut departed) = self.departed.lock() {
+            departed.remember(&identifiers.hosts, &identifiers.addresses, &identifiers.cidrs);
+        }
     }
 
     /// Replaces a session's identifiers (the agent sent an update).
@@ -271,8 +300,8 @@ impl AgentRegistry {
 
     /// What this registry holds, for peers: counts and identifiers, at most `budget` identifier
     /// entries (the budget is shared across tenants); the flag says whether some were left out.
-    pub fn summary(&self, budget: &mut usize) -> (crate::peers::TenantInventory, bool) {
-        let mut summary = crate::peers::TenantInventory::default();
+    pub fn summary(&self, budget: &mut usize) -> (Summary, bool) {
+        let mut summary = Summary::default();
         let Ok(inner) = self.inner.read() else { return (summary, false) };
         summary.agents = inner.all.items.iter().filter(|s| s.is_usable()).count();
         summary.default_routes = inner.default_routes.items.iter().filter(|s| s.is_usable()).count();
@@ -308,20 +337,126 @@ impl AgentRegistry {
         (summary, truncated)
     }
 
-    /// The session a dial to `target` should use, trying the strategies in order.
-    pub fn pick_for(&self, target: &DialTarget, chain: &[RoutingStrategy]) -> Option<Arc<AgentSession>> {
-        let inner = self.inner.read().ok()?;
-        for strategy in chain {
-            let picked = match strategy {
-                RoutingStrategy::DestHost => inner.pick_dest_host(&target.host),
-                RoutingStrategy::DefaultRoute => inner.default_routes.pick_least_loaded(),
-                RoutingStrategy::LeastLoaded => inner.all.pick_least_loaded(),
-            };
-            if picked.is_some() {
-                return picked;
+    /// The usable sessions `strategy` finds for `target`, best first (at most a few): the
+    /// target's own agents for `dest_host`, the less loaded of two random picks otherwise.
+    pub fn candidates(&self, strategy: RoutingStrategy, target: &DialTarget) -> Vec<Arc<AgentSession>> {
+        let Ok(inner) = self.inner.read() else { return Vec::new() };
+        let mut found = match strategy {
+            RoutingStrategy::DestHost => inner.dest_host(&target.host),
+            RoutingStrategy::DefaultRoute => inner.default_routes.two_choices(),
+            RoutingStrategy::LeastLoaded => inner.all.two_choices(),
+        };
+        found.sort_by_key(|s| s.load());
+        found.truncate(MAX_CANDIDATES);
+        found
+    }
+
+    /// Whether an agent of this replica claims `target` (its identifiers match, usable or
+    /// draining), or claimed it until it left, within [`CLAIM_MEMORY`].
+    pub fn claims(&self, target: &DialTarget) -> bool {
+        // The indexes hold draining sessions too (they leave them at deregistration).
+        let live = self.inner.read().is_ok_and(|inner| match &target.host {
+            TargetHost::Name(name) => inner.by_host.contains_key(name),
+            TargetHost::Ip(ip) => {
+                inner.by_address.contains_key(ip)
+                    || inner
+                        .with_cidrs
+                        .items
+                        .iter()
+                        .any(|s| s.identifiers.read().is_ok_and(|ids| ids.cidrs.iter().any(|n| n.contains(ip))))
+            }
+        });
+        live || self.departed.lock().is_ok_and(|memory| memory.contains(&target.host))
+    }
+
+    /// Resolves when a session registers (a dial waiting for a moving agent looks again).
+    pub async fn session_added(&self) {
+        self.added.notified().await;
+    }
+}
+
+/// Most sessions one strategy offers a dial.
+const MAX_CANDIDATES: usize = 4;
+
+/// How long what a departed agent could reach is still known to be its (and so not given to the
+/// fallback strategies): long enough for an agent to reconnect elsewhere and for every replica's
+/// inventories to catch up.
+pub const CLAIM_MEMORY: Duration = Duration::from_secs(30);
+
+/// What a registry holds, as published to peer replicas.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Usable sessions.
+    pub agents: usize,
+    /// Usable sessions flagged as default routes.
+    pub default_routes: usize,
+    /// Host names the usable sessions serve.
+    pub hosts: Vec<String>,
+    /// Addresses the usable sessions serve.
+    pub addresses: Vec<IpAddr>,
+    /// Networks the usable sessions serve.
+    pub cidrs: Vec<IpNet>,
+}
+
+/// Host names, addresses and networks that were claimed recently, each with when it was last
+/// seen; bounded.
+#[derive(Debug, Default)]
+pub struct ClaimMemory {
+    hosts: HashMap<String, Instant>,
+    addresses: HashMap<IpAddr, Instant>,
+    cidrs: HashMap<IpNet, Instant>,
+}
+
+/// Entries a [`ClaimMemory`] keeps at most.
+const CLAIM_MEMORY_ENTRIES: usize = 100_000;
+
+impl ClaimMemory {
+    /// Remembers identifiers as claimed now.
+    pub fn remember<'a>(
+        &mut self,
+        hosts: impl IntoIterator<Item = &'a String>,
+        addresses: impl IntoIterator<Item = &'a IpAddr>,
+        cidrs: impl IntoIterator<Item = &'a IpNet>,
+    ) {
+        let now = Instant::now();
+        for host in hosts {
+            self.hosts.insert(host.clone(), now);
+        }
+        for address in addresses {
+            self.addresses.insert(*address, now);
+        }
+        for net in cidrs {
+            self.cidrs.insert(*net, now);
+        }
+        if self.len() > CLAIM_MEMORY_ENTRIES {
+            self.forget_older_than(CLAIM_MEMORY);
+        }
+        if self.len() > CLAIM_MEMORY_ENTRIES {
+            // Still over after expiry: a flood of claims; start over rather than grow.
+            *self = Self::default();
+        }
+    }
+
+    /// Whether `host` was claimed within [`CLAIM_MEMORY`].
+    pub fn contains(&self, host: &TargetHost) -> bool {
+        let fresh = |at: &Instant| at.elapsed() < CLAIM_MEMORY;
+        match host {
+            TargetHost::Name(name) => self.hosts.get(name).is_some_and(fresh),
+            TargetHost::Ip(ip) => {
+                self.addresses.get(ip).is_some_and(fresh)
+                    || self.cidrs.iter().any(|(net, at)| net.contains(ip) && fresh(at))
             }
         }
-        None
+    }
+
+    fn len(&self) -> usize {
+        self.hosts.len() + self.addresses.len() + self.cidrs.len()
+    }
+
+    fn forget_older_than(&mut self, age: Duration) {
+        self.hosts.retain(|_, at| at.elapsed() < age);
+        self.addresses.retain(|_, at| at.elapsed() < age);
+        self.cidrs.retain(|_, at| at.elapsed() < age);
     }
 }
 
@@ -362,11 +497,17 @@ impl Inner {
         self.default_routes.remove(conn_id);
     }
 
-    fn pick_dest_host(&self, host: &TargetHost) -> Option<Arc<AgentSession>> {
+    /// The usable sessions whose identifiers match `host`: by name, by address, else the most
+    /// specific matching network.
+    fn dest_host(&self, host: &TargetHost) -> Vec<Arc<AgentSession>> {
+        let usable = |set: &SessionSet| set.items.iter().filter(|s| s.is_usable()).cloned().collect::<Vec<_>>();
         match host {
-            TargetHost::Name(name) => self.by_host.get(name).and_then(SessionSet::pick_least_loaded),
-            TargetHost::Ip(ip) => self.by_address.get(ip).and_then(SessionSet::pick_least_loaded).or_else(|| {
-                // Most specific matching network wins; ties go to the least loaded.
+            TargetHost::Name(name) => self.by_host.get(name).map(usable).unwrap_or_default(),
+            TargetHost::Ip(ip) => {
+                let exact = self.by_address.get(ip).map(usable).unwrap_or_default();
+                if !exact.is_empty() {
+                    return exact;
+                }
                 let matching: Vec<(u8, Arc<AgentSession>)> = self
                     .with_cidrs
                     .items
@@ -378,18 +519,9 @@ impl Inner {
                         Some((best, s.clone()))
                     })
                     .collect();
-                let longest = matching.iter().map(|(len, _)| *len).max()?;
-                let best: Vec<Arc<AgentSession>> =
-                    matching.into_iter().filter(|(len, _)| *len == longest).map(|(_, s)| s).collect();
-                pick_least_loaded(&best)
-            }),
+                let Some(longest) = matching.iter().map(|(len, _)| *len).max() else { return Vec::new() };
+                matching.into_iter().filter(|(len, _)| *len == longest).map(|(_, s)| s).collect()
+            }
         }
-    }
-}
-
-impl AgentIdentifiers {
-    /// Whether this agent can serve the target (used in tests and diagnostics).
-    pub fn can_reach(&self, target: &DialTarget) -> bool {
-        self.matches(&target.host)
     }
 }

@@ -1,113 +1,56 @@
-//! The gateway process: binds every listener up front (so tests bind port 0 and read the real
-//! addresses back), serves until asked to stop, reloads its configuration live, then drains.
+//! The gateway process - the composition root: binds every listener up front (so tests bind port 0
+//! and read the real addresses back), wires the parts together, serves until asked to stop,
+//! reloads its configuration live, then drains.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
-use arc_swap::ArcSwap;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::PrometheusHandle;
-use tether_tunnel::mux::MuxSettings;
 use tether_tunnel::tls::{self, ALPN_HTTP11, ReloadableCert};
 use tether_tunnel::transport::Transport;
-use tether_tunnel::ws::{KeepaliveSettings, WsSettings};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
-use crate::agent_endpoint::{self, ConnInfo};
+use crate::admin::{self, AdminState};
+use crate::agent_endpoint::{self, AgentEndpoint, ConnInfo};
+use crate::agent_session::Sessions;
+use crate::certs::{CertRegistry, Fingerprint};
 use crate::config::GatewayConfig;
-use crate::frontend::{self, FrontendListener};
-use crate::metrics::{CONFIG_RELOADS, DRAINING};
+use crate::dial::Dialer;
+use crate::error::SetupError;
+use crate::frontend::{self, Frontend, FrontendContext, FrontendSet};
+use crate::lifecycle::Lifecycle;
+use crate::metrics::{DRAINING, REPLICAS};
+use crate::peer_endpoint::{self, PeerEndpoint};
 use crate::peers::PeerSet;
 use crate::proxy_protocol;
-use crate::tenant::{Tenant, Tenants};
-
-/// State shared by every task of the gateway.
-pub struct Shared {
-    /// This replica's id.
-    pub server_id: String,
-    /// The configuration the process started with (listeners, global limits, keepalive).
-    pub config: GatewayConfig,
-    /// The file the configuration came from, for reloads.
-    pub config_path: Option<PathBuf>,
-    /// The tenants in force; replaced as a whole on reload.
-    pub tenants: ArcSwap<Tenants>,
-    /// Cancelled when draining starts: listeners stop, agents are told to move.
-    pub drain_started: CancellationToken,
-    /// Cancelled when the grace period is over: everything still open is closed.
-    pub hard_stop: CancellationToken,
-    /// Tunnelled frontend connections.
-    pub conn_tasks: TaskTracker,
-    /// Agent sessions.
-    pub session_tasks: TaskTracker,
-    /// Agent sessions across all tenants.
-    pub session_slots: Arc<Semaphore>,
-    /// Source of session ids.
-    pub next_conn_id: AtomicU64,
-    /// WebSocket settings for agent connections.
-    pub ws: WsSettings,
-    /// Multiplexer settings for agent sessions.
-    pub mux: MuxSettings,
-    /// Set once every listener is serving.
-    pub listeners_up: AtomicBool,
-    /// Set at SIGTERM, before the drain starts (and so also throughout it): `/readyz` fails so
-    /// balancers move away.
-    pub unready: AtomicBool,
-    /// Every certificate loaded from files, re-read on reload.
-    pub certs: CertRegistry,
-    /// The other replicas, when `peers` is configured.
-    pub peers: Option<Arc<PeerSet>>,
-    reload_lock: tokio::sync::Mutex<()>,
-}
-
-/// Certificates to re-read on reload (rotation without restart).
-#[derive(Default)]
-pub struct CertRegistry {
-    certs: Mutex<Vec<Weak<ReloadableCert>>>,
-}
-
-impl CertRegistry {
-    /// Remembers a certificate for reloads.
-    pub fn register(&self, cert: &Arc<ReloadableCert>) {
-        if let Ok(mut certs) = self.certs.lock() {
-            certs.retain(|c| c.strong_count() > 0);
-            certs.push(Arc::downgrade(cert));
-        }
-    }
-
-    /// The certificate and key files of every live certificate.
-    pub fn files(&self) -> Vec<PathBuf> {
-        let live: Vec<Arc<ReloadableCert>> =
-            self.certs.lock().map(|c| c.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
-        live.iter().flat_map(|c| c.files().map(std::path::Path::to_path_buf)).collect()
-    }
-
-    /// Re-reads every live certificate; failures keep the old pair and are returned.
-    pub fn reload_all(&self) -> Vec<String> {
-        let live: Vec<Arc<ReloadableCert>> =
-            self.certs.lock().map(|c| c.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
-        live.iter().filter_map(|cert| cert.reload().err().map(|e| e.to_string())).collect()
-    }
-}
+use crate::reload::{ReloadError, ReloadSummary, Reloader};
+use crate::settings::{FrontendSettings, SessionSettings};
+use crate::tenant::{Tenant, TenantSet, Tenants};
 
 /// A gateway with its listeners bound, ready to [`run`](Gateway::run).
 pub struct Gateway {
-    shared: Arc<Shared>,
+    config: GatewayConfig,
+    lifecycle: Arc<Lifecycle>,
+    tenants: Arc<TenantSet>,
+    frontends: Arc<FrontendSet>,
+    /// Frontends bound by `bind`, served from `run` on.
+    bound_frontends: Vec<(Arc<Tenant>, Vec<Frontend>)>,
+    frontend_context: Arc<FrontendContext>,
+    sessions: Arc<Sessions>,
+    peers: Option<Arc<PeerSet>>,
+    dialer: Dialer,
+    reloader: Arc<Reloader>,
     agents: TcpListener,
     admin: TcpListener,
     agent_tls: Option<TlsAcceptor>,
-    frontends: Vec<(Arc<Tenant>, Vec<FrontendListener>)>,
     shared_frontend: Option<(TcpListener, TlsAcceptor)>,
     peer_endpoint: Option<(TcpListener, TlsAcceptor)>,
     metrics: Option<PrometheusHandle>,
@@ -117,7 +60,8 @@ pub struct Gateway {
 /// Controls a running gateway from outside (tests, signal handlers).
 #[derive(Clone)]
 pub struct GatewayHandle {
-    shared: Arc<Shared>,
+    reloader: Arc<Reloader>,
+    tenants: Arc<TenantSet>,
     stop: CancellationToken,
 }
 
@@ -128,51 +72,24 @@ impl GatewayHandle {
     }
 
     /// Re-reads the configuration file and applies it (see [`apply`](Self::apply)).
-    pub async fn reload(&self) -> anyhow::Result<ReloadSummary> {
-        let path = self.shared.config_path.clone();
-        let result = match GatewayConfig::load(path.as_deref()) {
-            Ok(config) => self.apply(config).await,
-            Err(e) => Err(e),
-        };
-        record_reload(&result);
-        result
+    pub async fn reload(&self) -> Result<ReloadSummary, ReloadError> {
+        self.reloader.reload().await
     }
 
-    /// Applies a new configuration: tenants are added, changed in place or removed (their agents
-    /// drained), certificates re-read. Other tenants' connections are untouched. If anything in
-    /// the new configuration is invalid, nothing changes. Listener addresses and process-wide
-    /// settings need a restart; changes to them are reported and ignored.
-    pub async fn apply(&self, config: GatewayConfig) -> anyhow::Result<ReloadSummary> {
-        apply(&self.shared, config).await
+    /// Applies a new configuration as one transaction (see [`Reloader::apply`]).
+    pub async fn apply(&self, config: GatewayConfig) -> Result<ReloadSummary, ReloadError> {
+        self.reloader.apply(config).await
     }
 
     /// Agent sessions per tenant.
-    pub fn sessions(&self) -> HashMap<String, usize> {
-        self.shared.tenants.load().iter().map(|t| (t.name.to_string(), t.registry.len())).collect()
+    pub fn sessions(&self) -> std::collections::HashMap<String, usize> {
+        self.tenants.load().iter().map(|t| (t.name.to_string(), t.registry.len())).collect()
     }
-
-    /// The shared state (for tests and embedding).
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
-    }
-}
-
-/// What a reload changed.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct ReloadSummary {
-    /// Tenants added.
-    pub added: Vec<String>,
-    /// Tenants whose configuration changed.
-    pub changed: Vec<String>,
-    /// Tenants removed (their agents are drained).
-    pub removed: Vec<String>,
-    /// Settings that changed but need a restart.
-    pub needs_restart: Vec<String>,
 }
 
 impl Gateway {
     /// Builds tenants and binds every listener; nothing is served until [`run`](Self::run).
-    pub async fn bind(config: GatewayConfig, metrics: Option<PrometheusHandle>) -> anyhow::Result<Self> {
+    pub async fn bind(config: GatewayConfig, metrics: Option<PrometheusHandle>) -> Result<Self, SetupError> {
         Self::bind_with_path(config, None, metrics).await
     }
 
@@ -181,85 +98,97 @@ impl Gateway {
         config: GatewayConfig,
         config_path: Option<PathBuf>,
         metrics: Option<PrometheusHandle>,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, SetupError> {
         let tenants = Tenants::build(&config.tenants).await?;
-        let certs = CertRegistry::default();
-        let agents = bind_tcp(config.listen.agents).await.context("listen.agents")?;
-        let admin = bind_tcp(config.listen.admin).await.context("listen.admin")?;
+        let certs = Arc::new(CertRegistry::default());
+        let agents = bind_tcp(config.listen.agents)
+            .await
+            .map_err(|e| SetupError::listen("listen.agents", config.listen.agents, e))?;
+        let admin = bind_tcp(config.listen.admin)
+            .await
+            .map_err(|e| SetupError::listen("listen.admin", config.listen.admin, e))?;
         let agent_tls = match &config.tls {
-            Some(files) => {
-                let cert = ReloadableCert::load(&files.cert_file, &files.key_file).context("tls")?;
-                certs.register(&cert);
-                let server = tls::server_config(cert, None, &[ALPN_HTTP11]).context("tls")?;
-                Some(TlsAcceptor::from(Arc::new(server)))
-            }
+            Some(files) => Some(acceptor(&certs, "tls", &files.cert_file, &files.key_file, None, &[ALPN_HTTP11])?),
             None => None,
         };
-        let mut frontends = Vec::new();
+        let mut bound_frontends = Vec::new();
         for tenant in tenants.iter() {
-            frontends.push((tenant.clone(), frontend::bind(tenant, &certs).await?));
+            bound_frontends.push((tenant.clone(), frontend::bind(&tenant.config(), &certs, &[]).await?));
         }
         let shared_frontend = match &config.shared_frontend {
             Some(sf) => {
-                let listener = bind_tcp(sf.listen).await.context("shared_frontend.listen")?;
-                let cert = ReloadableCert::load(&sf.tls.cert_file, &sf.tls.key_file).context("shared_frontend.tls")?;
-                certs.register(&cert);
-                let server = tls::server_config(cert, Some(&sf.client_ca_file), &[])
-                    .context("shared_frontend.client_ca_file")?;
-                Some((listener, TlsAcceptor::from(Arc::new(server))))
+                let listener = bind_tcp(sf.listen)
+                    .await
+                    .map_err(|e| SetupError::listen("shared_frontend.listen", sf.listen, e))?;
+                let tls = acceptor(
+                    &certs,
+                    "shared_frontend.tls",
+                    &sf.tls.cert_file,
+                    &sf.tls.key_file,
+                    Some(&sf.client_ca_file),
+                    &[],
+                )?;
+                Some((listener, tls))
             }
             None => None,
         };
         let server_id = config.server_id();
         let (peers, peer_endpoint) = match &config.peers {
             Some(p) => {
-                let listener = bind_tcp(p.listen).await.context("peers.listen")?;
-                let cert = ReloadableCert::load(&p.tls.cert_file, &p.tls.key_file).context("peers.tls")?;
-                certs.register(&cert);
-                let server =
-                    tls::server_config(cert, Some(&p.tls.ca_file), &[ALPN_HTTP11]).context("peers.tls.ca_file")?;
-                let set = Arc::new(PeerSet::new(p.clone(), server_id.clone()).context("peers.tls")?);
-                (Some(set), Some((listener, TlsAcceptor::from(Arc::new(server)))))
+                let listener = bind_tcp(p.listen).await.map_err(|e| SetupError::listen("peers.listen", p.listen, e))?;
+                let tls = acceptor(
+                    &certs,
+                    "peers.tls",
+                    &p.tls.cert_file,
+                    &p.tls.key_file,
+                    Some(&p.tls.ca_file),
+                    &[ALPN_HTTP11],
+                )?;
+                let set =
+                    PeerSet::new(p.clone(), server_id.clone()).map_err(|e| SetupError::invalid("peers.tls", e))?;
+                (Some(Arc::new(set)), Some((listener, tls)))
             }
             None => (None, None),
         };
-        let keepalive = KeepaliveSettings {
-            ping_interval: config.keepalive.ping_interval.0,
-            ping_timeout: config.keepalive.ping_timeout.0,
-        };
-        let shared = Arc::new(Shared {
-            server_id,
-            peers,
-            config_path,
-            tenants: ArcSwap::from_pointee(tenants),
-            drain_started: CancellationToken::new(),
-            hard_stop: CancellationToken::new(),
-            conn_tasks: TaskTracker::new(),
-            session_tasks: TaskTracker::new(),
-            session_slots: Arc::new(Semaphore::new(config.limits.max_agent_sessions)),
-            next_conn_id: AtomicU64::new(1),
-            ws: WsSettings {
-                read_buffer_size: config.limits.ws_read_buffer_size,
-                keepalive: Some(keepalive),
-                ..WsSettings::default()
-            },
-            mux: MuxSettings {
-                max_streams: config.limits.max_streams_per_agent,
-                window_growth: config.limits.window_growth_per_agent_mib << 20,
-                ..MuxSettings::default()
-            },
-            listeners_up: AtomicBool::new(false),
-            unready: AtomicBool::new(false),
-            certs,
-            reload_lock: tokio::sync::Mutex::new(()),
-            config,
+        let lifecycle = Arc::new(Lifecycle::new());
+        let tenants = Arc::new(TenantSet::new(tenants));
+        let dialer = Dialer::new(peers.clone());
+        let frontend_context = Arc::new(FrontendContext {
+            dialer: dialer.clone(),
+            lifecycle: lifecycle.clone(),
+            settings: FrontendSettings::from_config(&config),
         });
+        let sessions = Arc::new(Sessions::new(
+            SessionSettings::from_config(&config),
+            lifecycle.clone(),
+            config.limits.max_agent_sessions,
+            peers.as_ref().map(|p| p.watch_count()),
+        ));
+        let frontends = Arc::new(FrontendSet::default());
+        let reloader = Arc::new(Reloader::new(
+            config_path,
+            config.clone(),
+            tenants.clone(),
+            frontends.clone(),
+            frontend_context.clone(),
+            certs,
+            peers.clone(),
+            lifecycle.clone(),
+        ));
         Ok(Self {
-            shared,
+            config,
+            lifecycle,
+            tenants,
+            frontends,
+            bound_frontends,
+            frontend_context,
+            sessions,
+            peers,
+            dialer,
+            reloader,
             agents,
             admin,
             agent_tls,
-            frontends,
             shared_frontend,
             peer_endpoint,
             metrics,
@@ -269,21 +198,22 @@ impl Gateway {
 
     /// The agent endpoint's address.
     pub fn agent_addr(&self) -> SocketAddr {
-        self.agents.local_addr().unwrap_or(self.shared.config.listen.agents)
+        self.agents.local_addr().unwrap_or(self.config.listen.agents)
     }
 
     /// The admin endpoint's address.
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin.local_addr().unwrap_or(self.shared.config.listen.admin)
+        self.admin.local_addr().unwrap_or(self.config.listen.admin)
     }
 
     /// The TCP frontend address of a tenant, if it has one.
     pub fn frontend_addr(&self, tenant: &str) -> Option<SocketAddr> {
-        self.frontends
+        self.bound_frontends
             .iter()
             .filter(|(t, _)| &*t.name == tenant)
-            .flat_map(|(_, listeners)| listeners.iter())
-            .find_map(FrontendListener::tcp_addr)
+            .flat_map(|(_, frontends)| frontends.iter())
+            .find_map(Frontend::tcp_addr)
+            .or_else(|| self.frontends.tcp_addr(tenant))
     }
 
     /// The peer endpoint's address, if peers are configured.
@@ -298,62 +228,95 @@ impl Gateway {
 
     /// A handle to stop or reload the gateway once it runs.
     pub fn handle(&self) -> GatewayHandle {
-        GatewayHandle { shared: self.shared.clone(), stop: self.stop.clone() }
+        GatewayHandle { reloader: self.reloader.clone(), tenants: self.tenants.clone(), stop: self.stop.clone() }
     }
 
     /// Serves until `shutdown` resolves or the handle asks to stop, then drains: listeners
-    /// close, agents get Drain, open connections get the grace period, then everything closes.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-        let Self { shared, agents, admin, agent_tls, frontends, shared_frontend, peer_endpoint, metrics, stop } = self;
+    /// close, agents get Drain, open connections and sessions get the grace period, then
+    /// everything closes.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), SetupError> {
+        let Self {
+            config,
+            lifecycle,
+            tenants,
+            frontends,
+            bound_frontends,
+            frontend_context,
+            sessions,
+            peers,
+            dialer,
+            reloader,
+            agents,
+            admin,
+            agent_tls,
+            shared_frontend,
+            peer_endpoint,
+            metrics,
+            stop,
+        } = self;
         crate::metrics::describe();
-        let mut listeners = vec![tokio::spawn(serve_agents(agents, agent_tls, shared.clone()))];
-        for (tenant, bound) in frontends {
-            listeners.extend(frontend::spawn(bound, &tenant, &shared, &tenant.frontends_stop()));
+        if let (Some((listener, acceptor)), Some(peers)) = (peer_endpoint, peers.clone()) {
+            let endpoint = Arc::new(PeerEndpoint {
+                tenants: tenants.clone(),
+                dialer,
+                peers,
+                lifecycle: lifecycle.clone(),
+                handshake_timeout: config.limits.handshake_timeout.0,
+            });
+            tokio::spawn(peer_endpoint::serve(listener, acceptor, endpoint));
         }
-        if let Some((listener, acceptor)) = shared_frontend {
-            listeners.push(tokio::spawn(frontend::shared::serve(listener, acceptor, shared.clone())));
-        }
-        if let (Some((listener, acceptor)), Some(peers)) = (peer_endpoint, shared.peers.clone()) {
-            tokio::spawn(crate::peers::endpoint::serve(listener, acceptor, shared.clone()));
-            tokio::spawn(peers.clone().run(shared.hard_stop.clone()));
+        if let Some(peers) = &peers {
+            // Learn the other replicas before the first agent is welcomed, so its Welcome
+            // carries the real replica count (an agent is ready only with a session to each).
+            peers.refresh().await;
+            tokio::spawn(peers.clone().run(lifecycle.hard_stop().clone()));
             let mut count = peers.watch_count();
             tokio::spawn(async move {
                 loop {
-                    metrics::gauge!(crate::metrics::REPLICAS).set(f64::from(*count.borrow_and_update()));
+                    metrics::gauge!(REPLICAS).set(f64::from(*count.borrow_and_update()));
                     if count.changed().await.is_err() {
                         return;
                     }
                 }
             });
         } else {
-            metrics::gauge!(crate::metrics::REPLICAS).set(1.0);
+            metrics::gauge!(REPLICAS).set(1.0);
         }
-        for tenant in shared.tenants.load().iter() {
-            tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
+        let endpoint = Arc::new(AgentEndpoint { tenants: tenants.clone(), sessions, listen: config.listen.clone() });
+        let agent_listener = tokio::spawn(serve_agents(agents, agent_tls, endpoint, config.limits.handshake_timeout.0));
+        for (tenant, bound) in bound_frontends {
+            frontends.replace(&tenant, bound, &frontend_context).await;
         }
-        if shared.config_path.is_some() && !shared.config.reload_check_interval.0.is_zero() {
-            tokio::spawn(watch_config(GatewayHandle { shared: shared.clone(), stop: stop.clone() }));
+        let shared_listener = shared_frontend.map(|(listener, acceptor)| {
+            tokio::spawn(frontend::shared::serve(listener, acceptor, tenants.clone(), frontend_context.clone()))
+        });
+        for tenant in tenants.load().iter() {
+            tokio::spawn(tenant.clone().refresh_keys_periodically(lifecycle.hard_stop().clone()));
         }
-        let admin_router = crate::admin::router(shared.clone(), metrics);
-        let admin_stop = shared.hard_stop.clone();
+        if reloader.config_path.is_some() && !config.reload_check_interval.0.is_zero() {
+            tokio::spawn(watch_config(reloader.clone(), config.reload_check_interval.0, lifecycle.clone()));
+        }
+        let admin_router =
+            admin::router(AdminState { lifecycle: lifecycle.clone(), tenants: tenants.clone(), peers, metrics });
+        let admin_stop = lifecycle.hard_stop().clone();
         let admin_task = tokio::spawn(async move {
             let served = axum::serve(admin, admin_router).with_graceful_shutdown(admin_stop.cancelled_owned());
             if let Err(e) = served.await {
                 tracing::error!(error = %e, "admin endpoint failed");
             }
         });
-        shared.listeners_up.store(true, Ordering::Relaxed);
-        tracing::info!(server_id = %shared.server_id, tenants = shared.tenants.load().iter().count(), "gateway serving");
+        lifecycle.set_serving();
+        tracing::info!(server_id = %config.server_id(), tenants = tenants.load().iter().count(), "gateway serving");
 
         tokio::select! {
             () = shutdown => {}
             () = stop.cancelled() => {}
         }
 
-        let grace = shared.config.drain_grace_period.0;
-        shared.unready.store(true, Ordering::Relaxed);
+        let grace = config.drain_grace_period.0;
+        lifecycle.set_unready();
         metrics::gauge!(DRAINING).set(1.0);
-        let delay = shared.config.drain_delay.0;
+        let delay = config.drain_delay.0;
         if !delay.is_zero() {
             tracing::info!(
                 delay_ms = delay.as_millis() as u64,
@@ -362,153 +325,75 @@ impl Gateway {
             tokio::time::sleep(delay).await;
         }
         tracing::info!(grace_period_s = grace.as_secs(), "draining: no new agents or connections; agents told to move");
-        shared.drain_started.cancel();
-        for listener in listeners {
+        lifecycle.begin_drain();
+        let _ = agent_listener.await;
+        if let Some(listener) = shared_listener {
             let _ = listener.await;
         }
-        shared.conn_tasks.close();
-        if tokio::time::timeout(grace, shared.conn_tasks.wait()).await.is_err() {
-            tracing::warn!(open = shared.conn_tasks.len(), "grace period over; closing remaining connections");
+        frontends.stop_all().await;
+        let (connections, agent_sessions) = lifecycle.finish_drain(grace).await;
+        if connections + agent_sessions > 0 {
+            tracing::warn!(connections, agent_sessions, "grace period over; closed what was still open");
         }
-        shared.hard_stop.cancel();
-        shared.session_tasks.close();
-        let _ = tokio::time::timeout(Duration::from_secs(5), shared.conn_tasks.wait()).await;
-        let _ = tokio::time::timeout(Duration::from_secs(5), shared.session_tasks.wait()).await;
         let _ = admin_task.await;
         tracing::info!("gateway stopped");
         Ok(())
     }
 }
 
-async fn apply(shared: &Arc<Shared>, config: GatewayConfig) -> anyhow::Result<ReloadSummary> {
-    let _one_at_a_time = shared.reload_lock.lock().await;
-    let problems = config.validate();
-    if !problems.is_empty() {
-        let list: Vec<String> = problems.iter().map(|p| format!("  - {p}")).collect();
-        anyhow::bail!("invalid configuration; keeping the one in force:\n{}", list.join("\n"));
-    }
-    let mut summary = ReloadSummary::default();
-    let started = &shared.config;
-    for (setting, same) in [
-        ("listen", json(&started.listen) == json(&config.listen)),
-        ("tls", json(&started.tls) == json(&config.tls)),
-        ("keepalive", json(&started.keepalive) == json(&config.keepalive)),
-        ("limits", json(&started.limits) == json(&config.limits)),
-        ("shared_frontend", json(&started.shared_frontend) == json(&config.shared_frontend)),
-        (
-            "peers.listen/peers.tls",
-            json(&started.peers.as_ref().map(|p| (&p.listen, &p.tls)))
-                == json(&config.peers.as_ref().map(|p| (&p.listen, &p.tls))),
-        ),
-        ("server_id", started.server_id == config.server_id),
-    ] {
-        if !same {
-            summary.needs_restart.push(setting.to_owned());
-        }
-    }
-
-    let current = shared.tenants.load_full();
-    // Build what can fail first, so a bad tenant leaves everything as it was.
-    let mut added = Vec::new();
-    for tenant_config in &config.tenants {
-        if current.by_name(&tenant_config.name).is_none() {
-            let tenant = Arc::new(Tenant::build(tenant_config.clone()).await?);
-            let listeners = frontend::bind(&tenant, &shared.certs).await?;
-            added.push((tenant, listeners));
-        }
-    }
-    let mut list: Vec<Arc<Tenant>> = Vec::new();
-    for tenant_config in &config.tenants {
-        let Some(tenant) = current.by_name(&tenant_config.name) else { continue };
-        if json(&*tenant.config()) != json(tenant_config) {
-            let frontends_changed = tenant.update(tenant_config.clone()).await?;
-            if frontends_changed {
-                let stop = tenant.restart_frontends();
-                // The old listeners release their addresses as they stop.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                let listeners = frontend::bind(&tenant, &shared.certs).await?;
-                frontend::spawn(listeners, &tenant, shared, &stop);
-            }
-            summary.changed.push(tenant.name.to_string());
-        }
-        list.push(tenant);
-    }
-    for (tenant, listeners) in added {
-        frontend::spawn(listeners, &tenant, shared, &tenant.frontends_stop());
-        tokio::spawn(tenant.clone().refresh_keys_periodically(shared.hard_stop.clone()));
-        summary.added.push(tenant.name.to_string());
-        list.push(tenant);
-    }
-    for tenant in current.iter() {
-        if !config.tenants.iter().any(|t| t.name == *tenant.name) {
-            tenant.restart_frontends().cancel();
-            tenant.removed.cancel();
-            summary.removed.push(tenant.name.to_string());
-        }
-    }
-    shared.tenants.store(Arc::new(Tenants::from_list(list)));
-    if let (Some(peers), Some(peer_config)) = (&shared.peers, &config.peers) {
-        peers.reconfigure(peer_config.clone());
-        peers.refresh().await;
-    }
-    for error in shared.certs.reload_all() {
-        tracing::error!(%error, "certificate reload failed; keeping the old certificate");
-    }
-    tracing::info!(
-        added = ?summary.added,
-        changed = ?summary.changed,
-        removed = ?summary.removed,
-        needs_restart = ?summary.needs_restart,
-        "configuration reloaded"
-    );
-    Ok(summary)
+/// A TLS acceptor from certificate files registered for reloads; `client_ca` requires client
+/// certificates signed by it.
+fn acceptor(
+    certs: &CertRegistry,
+    key: &str,
+    cert_file: &std::path::Path,
+    key_file: &std::path::Path,
+    client_ca: Option<&std::path::Path>,
+    alpn: &[&[u8]],
+) -> Result<TlsAcceptor, SetupError> {
+    let cert = ReloadableCert::load(cert_file, key_file).map_err(|e| SetupError::tls(key, e))?;
+    certs.register(&cert);
+    let server = tls::server_config(cert, client_ca, alpn).map_err(|e| SetupError::tls(key, e))?;
+    Ok(TlsAcceptor::from(Arc::new(server)))
 }
 
-fn json<T: serde::Serialize>(value: &T) -> Option<serde_json::Value> {
-    serde_json::to_value(value).ok()
-}
-
-fn record_reload(result: &anyhow::Result<ReloadSummary>) {
-    let label = if result.is_ok() { "ok" } else { "error" };
-    metrics::counter!(CONFIG_RELOADS, "result" => label).increment(1);
-    metrics::gauge!(crate::metrics::CONFIG_LAST_RELOAD_OK).set(if result.is_ok() { 1.0 } else { 0.0 });
-    if let Err(e) = result {
-        tracing::error!(error = %format!("{e:#}"), "configuration reload failed; the previous configuration stays in force");
-    }
-}
-
-/// Reloads when the configuration file or a certificate or key file changes (Kubernetes
-/// ConfigMap and Secret updates swap a symlink, so contents are compared, not modification
-/// times; a cert-manager renewal is picked up without a SIGHUP).
-async fn watch_config(handle: GatewayHandle) {
-    let Some(path) = handle.shared.config_path.clone() else { return };
-    let interval = handle.shared.config.reload_check_interval.0;
-    let snapshot = |shared: &Shared| {
-        let mut files = vec![path.clone()];
-        files.extend(shared.certs.files());
-        files.iter().map(|f| std::fs::read(f).ok()).collect::<Vec<_>>()
+/// Reloads when the configuration file or a certificate or key file changes (a Kubernetes
+/// ConfigMap or Secret update swaps a symlink; a cert-manager renewal is picked up without a
+/// SIGHUP). Only file metadata is read each round, off the runtime's threads.
+async fn watch_config(reloader: Arc<Reloader>, interval: Duration, lifecycle: Arc<Lifecycle>) {
+    let Some(path) = reloader.config_path.clone() else { return };
+    let fingerprint = |reloader: Arc<Reloader>, path: PathBuf| async move {
+        let mut files = vec![path];
+        files.extend(reloader.certs.files());
+        tokio::task::spawn_blocking(move || Fingerprint::of(&files)).await.ok()
     };
-    let mut last = snapshot(&handle.shared);
+    let mut last = fingerprint(reloader.clone(), path.clone()).await;
     loop {
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
-            () = handle.shared.drain_started.cancelled() => return,
+            () = lifecycle.drain_started().cancelled() => return,
         }
-        let now = snapshot(&handle.shared);
-        if now.first().is_some_and(Option::is_some) && now != last {
+        let now = fingerprint(reloader.clone(), path.clone()).await;
+        if now.as_ref().is_some_and(Fingerprint::first_exists) && now != last {
             tracing::info!(file = %path.display(), "configuration or certificate files changed; reloading");
-            let _ = handle.reload().await;
-            last = snapshot(&handle.shared);
+            let _ = reloader.reload().await;
+            last = fingerprint(reloader.clone(), path.clone()).await;
         }
     }
 }
 
 /// Accepts agent connections: TLS if configured, then HTTP/1.1 with upgrades.
-async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: Arc<Shared>) {
+async fn serve_agents(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    endpoint: Arc<AgentEndpoint>,
+    handshake_timeout: Duration,
+) {
+    let lifecycle = endpoint.sessions.lifecycle.clone();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            () = shared.drain_started.cancelled() => break,
+            () = lifecycle.drain_started().cancelled() => break,
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
@@ -519,12 +404,11 @@ async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: A
             }
         };
         let _ = stream.set_nodelay(true);
-        let (tls, shared) = (tls.clone(), shared.clone());
+        let (tls, endpoint) = (tls.clone(), endpoint.clone());
         tokio::spawn(async move {
-            let handshake_timeout = shared.config.limits.handshake_timeout.0;
             let mut stream = stream;
             let mut peer = peer;
-            let listen = &shared.config.listen;
+            let listen = &endpoint.listen;
             if listen.proxy_protocol {
                 if !listen.trusted_proxies.is_empty() && !listen.is_trusted_proxy(peer.ip()) {
                     tracing::warn!(%peer, "PROXY protocol header from an untrusted address; connection closed");
@@ -561,7 +445,7 @@ async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: A
                 },
             };
             let conn = ConnInfo { peer, sni };
-            let service = service_fn(move |req| agent_endpoint::handle(req, conn.clone(), shared.clone()));
+            let service = service_fn(move |req| agent_endpoint::handle(req, conn.clone(), endpoint.clone()));
             let served = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(handshake_timeout)
@@ -576,27 +460,33 @@ async fn serve_agents(listener: TcpListener, tls: Option<TlsAcceptor>, shared: A
 }
 
 /// Binds a TCP listener with a deep backlog.
-pub async fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+pub async fn bind_tcp(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
     socket.set_reuseaddr(true)?;
-    socket.bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    socket.bind(addr)?;
     // A deep backlog absorbs reconnect storms instead of dropping SYNs.
-    Ok(socket.listen(4096)?)
+    socket.listen(4096)
 }
 
-/// Binds a Unix socket, replacing a stale socket file left by a previous run.
-pub fn bind_unix(path: &std::path::Path) -> anyhow::Result<UnixListener> {
+/// Binds a Unix socket. A socket file left by a previous run is replaced; one that a live
+/// process still listens on is not (that is "address in use").
+pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    use std::io::{Error, ErrorKind};
     use std::os::unix::fs::FileTypeExt;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if meta.file_type().is_socket() {
-            // A socket left behind by a previous run.
-            std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
-        } else {
-            anyhow::bail!("{} exists and is not a socket; remove it or choose another path", path.display());
+        if !meta.file_type().is_socket() {
+            return Err(Error::new(
+                ErrorKind::AlreadyExists,
+                "exists and is not a socket; remove it or choose another path",
+            ));
         }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(Error::new(ErrorKind::AddrInUse, "another listener is serving this socket"));
+        }
+        std::fs::remove_file(path)?;
     }
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(dir)?;
     }
-    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+    UnixListener::bind(path)
 }

@@ -21,10 +21,21 @@ pub struct DialTarget {
     pub port: u16,
 }
 
+/// Why a target is not `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TargetError {
+    /// Not `host:port` with a DNS name or address and a port from 1 to 65535.
+    #[error("{0:?} is not host:port")]
+    NotHostPort(String),
+    /// An IPv6 address without brackets.
+    #[error("{0:?}: IPv6 addresses must be in brackets, e.g. [fd00::1]:10250")]
+    UnbracketedIpv6(String),
+}
+
 impl DialTarget {
     /// Parses `host:port`; host names must be valid DNS names, ports non-zero.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let bad = || format!("{:?} is not host:port", text.chars().take(300).collect::<String>());
+    pub fn parse(text: &str) -> Result<Self, TargetError> {
+        let bad = || TargetError::NotHostPort(text.chars().take(300).collect::<String>());
         let (host, port) = if let Some(rest) = text.strip_prefix('[') {
             let (v6, port) = rest.split_once("]:").ok_or_else(bad)?;
             let ip: IpAddr = v6.parse().map_err(|_| bad())?;
@@ -32,7 +43,7 @@ impl DialTarget {
         } else {
             let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
             if host.contains(':') {
-                return Err(format!("{text:?}: IPv6 addresses must be in brackets, e.g. [fd00::1]:10250"));
+                return Err(TargetError::UnbracketedIpv6(text.chars().take(300).collect()));
             }
             let host = match host.parse::<IpAddr>() {
                 Ok(ip) => TargetHost::Ip(ip),

@@ -1,12 +1,12 @@
-//! A tenant at run time: its configuration, token verifier, agent registry and limits.
+//! A tenant at run time: its configuration, token verifier, agent registry and limits, and the
+//! set of tenants in force.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use jsonwebtoken::Algorithm;
 use tether_tunnel::tls::{self, ClientRoots};
@@ -18,6 +18,7 @@ use crate::auth::keys::KeySet;
 use crate::auth::token::{TokenVerifier, VerifierSettings};
 use crate::auth::token_review::TokenReviewer;
 use crate::config::TenantConfig;
+use crate::error::SetupError;
 use crate::https_client::HttpsClient;
 use crate::registry::AgentRegistry;
 
@@ -38,14 +39,20 @@ pub struct Tenant {
     pub agent_slots: Limit,
     /// Cancelled when the tenant is removed from the configuration.
     pub removed: CancellationToken,
-    frontends: Mutex<CancellationToken>,
+}
+
+/// A changed configuration for a tenant, with everything that can fail already built; applying
+/// it ([`Tenant::commit`]) cannot fail.
+pub struct TenantUpdate {
+    config: TenantConfig,
+    verifier: Option<TokenVerifier>,
 }
 
 impl Tenant {
     /// Builds the run-time tenant. Keys from a file must load; keys fetched over HTTPS may fail
     /// (the issuer may be down at start-up): the tenant then starts without keys and the periodic
     /// refresh, or the first unknown key id, fetches them.
-    pub async fn build(config: TenantConfig) -> anyhow::Result<Self> {
+    pub async fn build(config: TenantConfig) -> Result<Self, SetupError> {
         let verifier = verifier(&config).await?;
         let limits = &config.limits;
         Ok(Self {
@@ -56,7 +63,6 @@ impl Tenant {
             verifier: ArcSwap::from_pointee(verifier),
             registry: AgentRegistry::default(),
             removed: CancellationToken::new(),
-            frontends: Mutex::new(CancellationToken::new()),
             config: ArcSwap::from_pointee(config),
         })
     }
@@ -71,35 +77,24 @@ impl Tenant {
         self.verifier.load_full()
     }
 
-    /// Applies a changed configuration in place; connected agents stay. Returns whether the
-    /// frontends changed (and must be rebound). On error nothing changes.
-    pub async fn update(&self, config: TenantConfig) -> anyhow::Result<bool> {
-        let old = self.config();
-        let auth_changed = serde_json::to_value(&old.auth).ok() != serde_json::to_value(&config.auth).ok();
-        if auth_changed {
-            self.verifier.store(Arc::new(verifier(&config).await?));
+    /// Builds what a changed configuration needs (a new verifier when `auth` changed); nothing
+    /// changes until [`commit`](Self::commit).
+    pub async fn prepare(&self, config: TenantConfig) -> Result<TenantUpdate, SetupError> {
+        let auth_changed = serde_json::to_value(&self.config().auth).ok() != serde_json::to_value(&config.auth).ok();
+        let verifier = if auth_changed { Some(verifier(&config).await?) } else { None };
+        Ok(TenantUpdate { config, verifier })
+    }
+
+    /// Applies a prepared update in place; connected agents stay.
+    pub fn commit(&self, update: TenantUpdate) {
+        let TenantUpdate { config, verifier } = update;
+        if let Some(verifier) = verifier {
+            self.verifier.store(Arc::new(verifier));
         }
-        let frontends_changed = serde_json::to_value(&old.frontend).ok() != serde_json::to_value(&config.frontend).ok();
         self.pending_dials.resize(config.limits.max_pending_dials);
         self.streams.resize(config.limits.max_streams);
         self.agent_slots.resize(config.limits.max_agents);
         self.config.store(Arc::new(config));
-        Ok(frontends_changed)
-    }
-
-    /// A token cancelled when the current frontend listeners must stop.
-    pub fn frontends_stop(&self) -> CancellationToken {
-        self.frontends.lock().map(|t| t.clone()).unwrap_or_default()
-    }
-
-    /// Stops the current frontend listeners and returns the token for their successors.
-    pub fn restart_frontends(&self) -> CancellationToken {
-        let fresh = CancellationToken::new();
-        if let Ok(mut current) = self.frontends.lock() {
-            current.cancel();
-            *current = fresh.clone();
-        }
-        fresh
     }
 
     /// Re-fetches signing keys every `auth.fetch.refresh_interval` until the tenant is removed
@@ -163,15 +158,15 @@ impl Limit {
     }
 }
 
-async fn verifier(config: &TenantConfig) -> anyhow::Result<TokenVerifier> {
+async fn verifier(config: &TenantConfig) -> Result<TokenVerifier, SetupError> {
     let auth = &config.auth;
-    let context = |field: &str| format!("tenant {}: auth.{field}", config.name);
+    let key = |field: &str| format!("tenants[{}].auth.{field}", config.name);
     let algorithms = auth
         .algorithms
         .iter()
         .map(|a| a.parse::<Algorithm>())
         .collect::<Result<Vec<_>, _>>()
-        .with_context(|| context("algorithms"))?;
+        .map_err(|e| SetupError::invalid(key("algorithms"), e))?;
     let settings = VerifierSettings {
         issuer: auth.issuer.clone(),
         audiences: auth.audiences.clone(),
@@ -180,26 +175,37 @@ async fn verifier(config: &TenantConfig) -> anyhow::Result<TokenVerifier> {
         leeway: auth.leeway.0,
     };
     if let Some(review) = &auth.token_review {
-        let client = https_client(review.ca_file.as_deref(), Some(&review.bearer_token_file), review.timeout.0)
-            .with_context(|| context("token_review"))?;
+        let client = https_client(
+            &key("token_review"),
+            review.ca_file.as_deref(),
+            Some(&review.bearer_token_file),
+            review.timeout.0,
+        )
+        .await?;
         let reviewer = TokenReviewer::new(&review.server, client, auth.audiences.clone(), review.cache_ttl.0);
         return Ok(TokenVerifier::with_token_review(settings, reviewer));
     }
     let min_refresh = auth.fetch.min_refresh_interval.0;
     let store = if let Some(file) = &auth.hmac_secret_file {
-        let secret = std::fs::read(file).with_context(|| context("hmac_secret_file"))?;
+        let secret = tokio::fs::read(file).await.map_err(|e| SetupError::file(key("hmac_secret_file"), e))?;
         let trimmed = String::from_utf8_lossy(&secret).trim().as_bytes().to_vec();
-        let keys = KeySet::from_hmac_secret(&trimmed)
-            .map_err(anyhow::Error::msg)
-            .with_context(|| context("hmac_secret_file"))?;
+        let keys = KeySet::from_hmac_secret(&trimmed).map_err(|e| SetupError::file(key("hmac_secret_file"), e))?;
         KeyStore::new(KeySource::Fixed, keys, min_refresh)
     } else if let Some(file) = &auth.jwks_file {
-        let keys = KeySet::from_file(file).map_err(anyhow::Error::msg).with_context(|| context("jwks_file"))?;
+        let path = file.clone();
+        let keys = tokio::task::spawn_blocking(move || KeySet::from_file(&path))
+            .await
+            .map_err(|e| SetupError::file(key("jwks_file"), e))?
+            .map_err(|e| SetupError::file(key("jwks_file"), e))?;
         KeyStore::new(KeySource::File(file.clone()), keys, min_refresh)
     } else {
-        let client =
-            https_client(auth.fetch.ca_file.as_deref(), auth.fetch.bearer_token_file.as_deref(), auth.fetch.timeout.0)
-                .with_context(|| context("fetch"))?;
+        let client = https_client(
+            &key("fetch"),
+            auth.fetch.ca_file.as_deref(),
+            auth.fetch.bearer_token_file.as_deref(),
+            auth.fetch.timeout.0,
+        )
+        .await?;
         let source = match &auth.jwks_url {
             Some(url) => KeySource::Url { url: url.clone(), client },
             None => KeySource::Discovery { issuer: auth.issuer.clone(), client },
@@ -219,12 +225,23 @@ async fn verifier(config: &TenantConfig) -> anyhow::Result<TokenVerifier> {
     Ok(TokenVerifier::new(settings, Arc::new(store)))
 }
 
-fn https_client(ca_file: Option<&Path>, bearer_file: Option<&Path>, timeout: Duration) -> anyhow::Result<HttpsClient> {
+async fn https_client(
+    key: &str,
+    ca_file: Option<&Path>,
+    bearer_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<HttpsClient, SetupError> {
     let roots = ClientRoots { ca_file: ca_file.map(Path::to_owned), system_roots: ca_file.is_none() };
-    let tls = tls::client_config(&roots, None, &[tls::ALPN_HTTP11])?;
+    let tls = tls::client_config(&roots, None, &[tls::ALPN_HTTP11]).map_err(|e| SetupError::tls(key, e))?;
     let bearer = match bearer_file {
         Some(path) => Some(
-            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?.trim().to_owned(),
+            tokio::fs::read_to_string(path)
+                .await
+                .map_err(|e| {
+                    SetupError::file(format!("{key}.bearer_token_file"), format!("cannot read {}: {e}", path.display()))
+                })?
+                .trim()
+                .to_owned(),
         ),
         None => None,
     };
@@ -241,7 +258,7 @@ pub struct Tenants {
 
 impl Tenants {
     /// Builds every tenant; fails on the first that cannot be set up.
-    pub async fn build(configs: &[TenantConfig]) -> anyhow::Result<Self> {
+    pub async fn build(configs: &[TenantConfig]) -> Result<Self, SetupError> {
         let mut list = Vec::new();
         for config in configs {
             list.push(Arc::new(Tenant::build(config.clone()).await?));
@@ -287,6 +304,29 @@ impl Tenants {
     }
 }
 
+/// The tenants in force; replaced as a whole, in one step, on reload.
+#[derive(Default)]
+pub struct TenantSet {
+    current: ArcSwap<Tenants>,
+}
+
+impl TenantSet {
+    /// Puts `tenants` in force.
+    pub fn new(tenants: Tenants) -> Self {
+        Self { current: ArcSwap::from_pointee(tenants) }
+    }
+
+    /// The tenants in force now.
+    pub fn load(&self) -> Arc<Tenants> {
+        self.current.load_full()
+    }
+
+    /// Replaces the tenants in force.
+    pub fn replace(&self, tenants: Tenants) {
+        self.current.store(Arc::new(tenants));
+    }
+}
+
 /// `host:port` -> `host`; IPv6 literals keep their brackets off.
 pub fn strip_port(host: &str) -> &str {
     if let Some(rest) = host.strip_prefix('[') {
@@ -296,6 +336,25 @@ pub fn strip_port(host: &str) -> &str {
         Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !name.contains(':') => name,
         _ => host,
     }
+}
+
+/// Test support: a tenant built from a real configuration (a shared-secret issuer written to a
+/// temporary file), with `routing` as its chain.
+#[cfg(test)]
+pub(crate) async fn test_tenant(name: &str, routing: &[crate::config::RoutingStrategy]) -> Arc<Tenant> {
+    let dir = std::env::temp_dir().join(format!("tether-tenant-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_default();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a test secret that is long enough for HS256").unwrap_or_default();
+    let config: TenantConfig = serde_json::from_value(serde_json::json!({
+        "name": name,
+        "hosts": [format!("{name}.test")],
+        "auth": { "issuer": "https://issuer.test", "audiences": ["tether"], "algorithms": ["HS256"], "hmac_secret_file": secret },
+        "routing": routing,
+        "limits": { "dial_timeout": "1s" },
+    }))
+    .unwrap_or_else(|e| panic!("test tenant config: {e}"));
+    Arc::new(Tenant::build(config).await.unwrap_or_else(|e| panic!("test tenant: {e}")))
 }
 
 #[cfg(test)]

@@ -145,7 +145,7 @@ pub struct LocalDeployment {
     pub frontend_uds: PathBuf,
     /// Running agents.
     pub agents: Vec<LocalAgent>,
-    gateway_task: Option<JoinHandle<anyhow::Result<()>>>,
+    gateway_task: Option<JoinHandle<Result<(), tether_gateway::error::SetupError>>>,
     options_host: String,
     tls: bool,
     ping_interval: Duration,

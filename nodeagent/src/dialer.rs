@@ -1,10 +1,11 @@
 //! Serving the streams the gateway opens: check the target against the allow list, connect with
 //! a timeout, answer, then copy bytes both ways with half-close.
 
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tether_tunnel::untrusted::printable;
 
+use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::{read_raw_frame, write_frame};
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{self, DialRequest, ErrorCode, MAX_STREAM_FRAME, StreamOpen, StreamResult};
@@ -67,7 +68,7 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
             metrics::counter!(DIALS, "result" => label).increment(1);
             tracing::info!(
                 request_id = request.request_id,
-                target = %printable(&request.target),
+                target = %printable(&request.target, 260),
                 reason = refusal.message.as_deref().unwrap_or_default(),
                 "dial refused"
             );
@@ -96,7 +97,7 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
 /// Resolves and connects to the target if the allow list permits it.
 async fn connect(request: &DialRequest, policy: &DialPolicy) -> Result<TcpStream, StreamResult> {
     let (host, port) = split_target(&request.target).ok_or_else(|| {
-        StreamResult::refused(ErrorCode::BadRequest, format!("{:?} is not host:port", printable(&request.target)))
+        StreamResult::refused(ErrorCode::BadRequest, format!("{:?} is not host:port", printable(&request.target, 260)))
     })?;
     if !policy.allow.allows_port(port) {
         return Err(StreamResult::refused(
@@ -105,43 +106,25 @@ async fn connect(request: &DialRequest, policy: &DialPolicy) -> Result<TcpStream
         ));
     }
     let timeout = request.timeout_ms.map(Duration::from_millis).unwrap_or(policy.max_timeout).min(policy.max_timeout);
-    let deadline = tokio::time::Instant::now() + timeout;
-    let timed_out = || {
-        StreamResult::refused(
+    connect_allowed(host, port, timeout, |ip| policy.allow.allows(ip, port)).await.map_err(|e| match e {
+        AllowedConnectError::NotAllowed { resolved } => {
+            let shown: Vec<String> = resolved.iter().take(4).map(ToString::to_string).collect();
+            StreamResult::refused(
+                ErrorCode::NotAllowed,
+                format!("{} ({}) is not on this agent's allow list", printable(&request.target, 260), shown.join(", ")),
+            )
+        }
+        AllowedConnectError::TimedOut(_) => StreamResult::refused(
             ErrorCode::Timeout,
             format!("connecting to {} timed out after {} ms", request.target, timeout.as_millis()),
-        )
-    };
-
-    let candidates: Vec<SocketAddr> = match host.parse::<IpAddr>() {
-        Ok(ip) => vec![SocketAddr::new(ip, port)],
-        Err(_) => tokio::time::timeout_at(deadline, tokio::net::lookup_host((host, port)))
-            .await
-            .map_err(|_| timed_out())?
-            .map_err(|e| StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {host}: {e}")))?
-            .collect(),
-    };
-    let allowed: Vec<SocketAddr> =
-        candidates.iter().copied().filter(|a| policy.allow.allows(a.ip(), a.port())).collect();
-    if allowed.is_empty() {
-        let shown: Vec<String> = candidates.iter().take(4).map(|a| a.ip().to_string()).collect();
-        return Err(StreamResult::refused(
-            ErrorCode::NotAllowed,
-            format!("{} ({}) is not on this agent's allow list", printable(&request.target), shown.join(", ")),
-        ));
-    }
-    let mut last_error = String::new();
-    for addr in allowed {
-        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
-            Err(_) => return Err(timed_out()),
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                return Ok(stream);
-            }
-            Ok(Err(e)) => last_error = format!("{addr}: {e}"),
+        ),
+        AllowedConnectError::Resolve { host, reason } => {
+            StreamResult::refused(ErrorCode::DialFailed, format!("cannot resolve {host}: {reason}"))
         }
-    }
-    Err(StreamResult::refused(ErrorCode::DialFailed, format!("cannot connect to {}: {last_error}", request.target)))
+        AllowedConnectError::Failed(last) => {
+            StreamResult::refused(ErrorCode::DialFailed, format!("cannot connect to {}: {last}", request.target))
+        }
+    })
 }
 
 /// `host:port` or `[v6]:port` -> (host, port).
@@ -165,10 +148,6 @@ impl Drop for OpenStream {
     fn drop(&mut self) {
         metrics::gauge!(STREAMS_OPEN).decrement(1.0);
     }
-}
-
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(260).collect()
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 pub mod backoff;
 pub mod cli;
 pub mod client;
+pub mod connect;
 pub mod duration;
 pub mod framed;
 pub mod jwt;
@@ -22,4 +23,5 @@ pub mod splice;
 pub mod telemetry;
 pub mod tls;
 pub mod transport;
+pub mod untrusted;
 pub mod ws;

@@ -37,6 +37,8 @@ struct Cluster {
     issuer: DevIssuer,
     replicas: Vec<Replica>,
     running: Vec<Option<Process>>,
+    /// How often replicas refresh each other's inventories.
+    refresh_interval: &'static str,
     /// Agents connect here (TLS passed through, round robin).
     agent_lb: SocketAddr,
     /// CONNECT dials go here (round robin, only to ready replicas).
@@ -47,6 +49,11 @@ struct Cluster {
 impl Cluster {
     /// Prepares `total` replicas, starts the first `running`, and haproxy in front of all.
     async fn start(total: usize, running: usize) -> Self {
+        Self::start_with(total, running, "300ms").await
+    }
+
+    /// Like [`start`](Self::start), with peers refreshing inventories every `refresh_interval`.
+    async fn start_with(total: usize, running: usize, refresh_interval: &'static str) -> Self {
         let dir = ScratchDir::new("tether-ha").unwrap();
         let ca = DevCa::create(dir.path(), "ha").unwrap();
         let cert = ca.server("gateway", &["ha.tether.local"]).unwrap();
@@ -86,6 +93,7 @@ impl Cluster {
             issuer,
             replicas,
             running: (0..total).map(|_| None).collect(),
+            refresh_interval,
             agent_lb,
             connect_lb,
             _haproxy: haproxy,
@@ -110,7 +118,7 @@ impl Cluster {
                 "listen": r.peer.to_string(),
                 "tls": { "cert_file": self.peer_cert.cert, "key_file": self.peer_cert.key, "ca_file": self.ca.ca_cert, "server_name": PEER_NAME },
                 "addresses": self.replicas.iter().map(|r| r.peer.to_string()).collect::<Vec<_>>(),
-                "refresh_interval": "300ms",
+                "refresh_interval": self.refresh_interval,
             },
             "tenants": [{
                 "name": "ha",
@@ -474,4 +482,98 @@ async fn an_aborted_download_forwarded_through_a_peer_replica_frees_everything()
         10.0,
         "the dials were forwarded"
     );
+}
+
+/// A node whose agent keeps a single session (`pool.mode: one`) moves to another replica in a
+/// rolling restart. Dials for its address must reach it - never another node's agent through the
+/// fallback strategies - even while the replicas' inventories are still stale (the documented
+/// default routing, and the documented default 2 s refresh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dials_for_a_node_that_moved_replicas_reach_it_and_never_another_node() {
+    let mut cluster = Cluster::start_with(3, 3, "2s").await;
+    let mut agents = fleet(&cluster, 2, "all").await;
+    let single_target = echo_server().await;
+    let single = cluster.agent("node-c", single_target, "one").await;
+    assert!(all_hold(&agents, 3, Duration::from_secs(60)).await);
+    assert!(eventually(Duration::from_secs(30), async || single.state.server_ids().len() == 1).await);
+    tokio::time::sleep(Duration::from_secs(3)).await; // one refresh everywhere
+    let (ok, running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(true)));
+    let failures = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut load = Vec::new();
+    for _ in 0..3 {
+        let (ok, running, failures, lb) = (ok.clone(), running.clone(), failures.clone(), cluster.connect_lb);
+        load.push(tokio::spawn(async move {
+            while running.load(Ordering::Relaxed) {
+                match echo_via(lb, single_target).await {
+                    Ok(()) => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => failures.lock().unwrap().push(e),
+                }
+            }
+        }));
+    }
+    for i in 0..3 {
+        cluster.stop_replica(i).await;
+        cluster.start_replica(i).await;
+        assert!(all_hold(&agents, 3, Duration::from_secs(60)).await, "agents must return to gw-{i}");
+        assert!(eventually(Duration::from_secs(30), async || single.state.server_ids().len() == 1).await);
+    }
+    running.store(false, Ordering::Relaxed);
+    for worker in load {
+        worker.await.unwrap();
+    }
+    let done = ok.load(Ordering::Relaxed);
+    assert!(done > 50, "the load kept flowing ({done} dials)");
+    let failures = failures.lock().unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {} dials failed: {:?}",
+        failures.len(),
+        done + failures.len(),
+        &failures[..failures.len().min(10)]
+    );
+    agents.clear();
+}
+
+/// Replicas find each other before they welcome agents, so an agent is never ready while it
+/// holds fewer sessions than there are replicas (it would be told the wrong count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_is_ready_only_with_a_session_to_every_replica() {
+    let cluster = Cluster::start(3, 3).await;
+    let agents = fleet(&cluster, 10, "all").await;
+    let mut watchers = Vec::new();
+    for (agent, _) in &agents {
+        let (admin, state) = (agent.admin.unwrap(), agent.state.clone());
+        watchers.push(tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while tokio::time::Instant::now() < deadline {
+                if let Ok((200, body)) = http_get(admin, "/readyz").await {
+                    return (state.server_ids().len(), body);
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (0, "never ready".to_owned())
+        }));
+    }
+    for watcher in watchers {
+        let (sessions, body) = watcher.await.unwrap();
+        assert_eq!(sessions, 3, "ready with {sessions} of 3 sessions: {body}");
+    }
+}
+
+/// A replica stopped with nothing open keeps its agents' sessions until they have moved: every
+/// agent receives the drain and counts it, none sees its session lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_agent_of_a_draining_replica_is_told_to_move() {
+    let mut cluster = Cluster::start(2, 2).await;
+    let agents = fleet(&cluster, 20, "all").await;
+    assert!(all_hold(&agents, 2, Duration::from_secs(60)).await);
+    cluster.stop_replica(0).await;
+    // One process: any agent's admin endpoint renders every agent's metrics.
+    let (_, metrics) = http_get(agents[0].0.admin.unwrap(), "/metrics").await.unwrap();
+    assert_eq!(metric_sum(&metrics, "tether_agent_drains_total", ""), 20.0, "{metrics}");
+    for (agent, _) in &agents {
+        assert_eq!(agent.state.last_error(), None, "an agent saw its session lost instead of a drain");
+    }
 }

@@ -28,7 +28,7 @@ pub struct Fleet {
     pub admin_addr: SocketAddr,
     pub frontends: Vec<SocketAddr>,
     pub shared: Option<SocketAddr>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    task: tokio::task::JoinHandle<Result<(), tether_gateway::error::SetupError>>,
 }
 
 pub fn tenant_json(
@@ -449,6 +449,90 @@ async fn hot_reload_adds_and_removes_tenants_and_ignores_a_broken_config() {
     dropped.stop().await;
     late_agent.stop().await;
     fleet.shutdown().await;
+}
+
+/// A reload is one transaction: a frontend moves to a new address in place (the old one closes);
+/// when a later tenant's change fails - its key file does not parse, or a new port is taken -
+/// nothing changes, and the earlier tenant keeps serving on its old listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_applies_everything_or_nothing() {
+    let fleet = Fleet::start(&["alpha", "beta"], &[]).await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    let alpha = RunningAgent::start(fleet.agent_config(0, "node-alpha", x, Duration::from_secs(3600))).await;
+    let beta = RunningAgent::start(fleet.agent_config(1, "node-beta", y, Duration::from_secs(3600))).await;
+    assert!(alpha.wait_live(Duration::from_secs(10)).await && beta.wait_live(Duration::from_secs(10)).await);
+    let listen = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+
+    // In place: alpha's frontend moves to a new port; the old port closes.
+    let moved = listen(tether_e2e::bins::free_port());
+    let mut config = fleet.config.clone();
+    config.tenants[0].frontend.tcp.as_mut().unwrap().listen = moved;
+    let summary = fleet.handle.apply(config.clone()).await.unwrap();
+    assert_eq!(summary.changed, ["alpha"]);
+    assert_eq!(echo_via(moved, x).await, Ok(()));
+    assert!(tokio::net::TcpStream::connect(fleet.frontends[0]).await.is_err(), "the old address is closed");
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()), "beta is untouched");
+
+    // Midway failure: alpha would move again, but beta's new key file does not parse.
+    let garbage = fleet.dir.path().join("beta-broken-jwks.json");
+    std::fs::write(&garbage, "this is not a JWKS document").unwrap();
+    let again = listen(tether_e2e::bins::free_port());
+    let mut failing = config.clone();
+    failing.tenants[0].frontend.tcp.as_mut().unwrap().listen = again;
+    failing.tenants[1].auth.jwks_file = Some(garbage);
+    let error = fleet.handle.apply(failing).await.unwrap_err().to_string();
+    assert!(error.contains("jwks_file") && error.contains("keeping the configuration in force"), "{error}");
+    assert_eq!(echo_via(moved, x).await, Ok(()), "alpha keeps its listener");
+    assert!(tokio::net::TcpStream::connect(again).await.is_err(), "alpha's new address was not kept open");
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()), "beta keeps its keys");
+
+    // Midway failure: beta's new port is taken.
+    let taken = tokio::net::TcpListener::bind(listen(tether_e2e::bins::free_port())).await.unwrap();
+    let mut failing = config.clone();
+    failing.tenants[0].limits.max_pending_dials = 7;
+    failing.tenants[1].frontend.tcp.as_mut().unwrap().listen = taken.local_addr().unwrap();
+    let error = fleet.handle.apply(failing).await.unwrap_err().to_string();
+    assert!(error.contains("tenants[beta].frontend.tcp.listen"), "{error}");
+    assert_eq!(echo_via(moved, x).await, Ok(()));
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()));
+    // The same configuration applied again changes nothing: the transaction left no trace.
+    assert_eq!(fleet.handle.apply(config).await.unwrap().changed, Vec::<String>::new());
+    alpha.stop().await;
+    beta.stop().await;
+    fleet.shutdown().await;
+}
+
+/// A Unix-socket frontend changed and changed back: each time the new socket serves and the old
+/// file is gone - the old listener never removes the socket its successor serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_frontend_changed_and_changed_back_keeps_serving() {
+    let fleet = Fleet::start(&["uds"], &[]).await;
+    let x = echo_server().await;
+    let agent = RunningAgent::start(fleet.agent_config(0, "node-uds", x, Duration::from_secs(3600))).await;
+    assert!(agent.wait_live(Duration::from_secs(10)).await);
+    let (first, second) = (fleet.dir.path().join("kas-1.sock"), fleet.dir.path().join("kas-2.sock"));
+    let works = async |path: &std::path::Path| {
+        let mut tunnel = tether_loadtest::connect_client::connect_uds(path, &x.to_string()).await.ok()?.ok()?;
+        tunnel.write_all(b"hi").await.ok()?;
+        let mut got = [0u8; 2];
+        tunnel.read_exact(&mut got).await.ok()?;
+        Some(())
+    };
+    let mut config = fleet.config.clone();
+    for (now, before) in [(&first, None), (&second, Some(&first)), (&first, Some(&second))] {
+        config.tenants[0].frontend.uds = Some(now.clone());
+        fleet.handle.apply(config.clone()).await.unwrap();
+        assert!(works(now).await.is_some(), "{} serves", now.display());
+        if let Some(before) = before {
+            assert!(!before.exists(), "{} was removed", before.display());
+        }
+        // The TCP frontend of the same tenant stayed open throughout.
+        assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+    }
+    assert!(first.exists());
+    agent.stop().await;
+    fleet.shutdown().await;
+    assert!(!first.exists(), "the drain removes the socket");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,8 +13,29 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use serde::Deserialize;
 
-use super::keys::KeySet;
-use crate::https_client::HttpsClient;
+use super::keys::{KeyError, KeySet};
+use crate::https_client::{FetchError, HttpsClient};
+
+/// Why the keys could not be refreshed (the cached keys stay in use).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RefreshError {
+    /// The issuer, the discovery document or the JWKS URL could not be fetched.
+    #[error("{source_name}: {error}")]
+    Fetch {
+        /// Where the keys come from.
+        source_name: String,
+        /// Why.
+        error: FetchError,
+    },
+    /// What came back is not a usable key set or discovery document.
+    #[error("{source_name}: {reason}")]
+    Invalid {
+        /// Where the keys come from.
+        source_name: String,
+        /// Why.
+        reason: String,
+    },
+}
 
 /// Where keys are fetched from.
 #[derive(Clone)]
@@ -83,22 +104,21 @@ impl KeyStore {
         self.keys.load_full()
     }
 
-    /// Replaces the keys (tests, shared secrets).
-    pub fn set(&self, keys: KeySet) {
-        self.keys.store(Arc::new(keys));
-    }
-
     /// Fetches the keys now; on failure the cached keys stay.
-    pub async fn refresh(&self) -> Result<usize, String> {
+    pub async fn refresh(&self) -> Result<usize, RefreshError> {
         let _one_at_a_time = self.refreshing.lock().await;
         self.refresh_locked().await
     }
 
-    async fn refresh_locked(&self) -> Result<usize, String> {
+    async fn refresh_locked(&self) -> Result<usize, RefreshError> {
         if let Ok(mut last) = self.last_attempt.lock() {
             *last = Some(Instant::now());
         }
-        let keys = self.fetch().await.map_err(|e| format!("{}: {e}", self.source.describe()))?;
+        let source_name = self.source.describe();
+        let keys = self.fetch().await.map_err(|e| match e {
+            Fetched::Transport(error) => RefreshError::Fetch { source_name: source_name.clone(), error },
+            Fetched::Invalid(reason) => RefreshError::Invalid { source_name: source_name.clone(), reason },
+        })?;
         let count = keys.len();
         self.keys.store(Arc::new(keys));
         Ok(count)
@@ -135,13 +155,19 @@ impl KeyStore {
         }
     }
 
-    async fn fetch(&self) -> Result<KeySet, String> {
+    async fn fetch(&self) -> Result<KeySet, Fetched> {
         match &self.source {
             KeySource::Fixed => Ok(KeySet::default()),
-            KeySource::File(path) => KeySet::from_file(path),
+            KeySource::File(path) => {
+                let path = path.clone();
+                tokio::task::spawn_blocking(move || KeySet::from_file(&path))
+                    .await
+                    .map_err(|e| Fetched::Invalid(e.to_string()))?
+                    .map_err(Fetched::from)
+            }
             KeySource::Url { url, client } => {
-                let body = client.get(url).await.map_err(|e| e.to_string())?;
-                KeySet::from_jwks(&body)
+                let body = client.get(url).await.map_err(Fetched::Transport)?;
+                Ok(KeySet::from_jwks(&body)?)
             }
             KeySource::Discovery { issuer, client } => {
                 let cached = self.jwks_uri.lock().ok().and_then(|u| u.clone());
@@ -149,9 +175,9 @@ impl KeyStore {
                     Some(uri) => uri,
                     None => {
                         let url = format!("{}/.well-known/openid-configuration", issuer.trim_end_matches('/'));
-                        let body = client.get(&url).await.map_err(|e| e.to_string())?;
+                        let body = client.get(&url).await.map_err(Fetched::Transport)?;
                         let discovery: Discovery = serde_json::from_slice(&body)
-                            .map_err(|e| format!("{url}: not a discovery document: {e}"))?;
+                            .map_err(|e| Fetched::Invalid(format!("{url}: not a discovery document: {e}")))?;
                         if let Ok(mut slot) = self.jwks_uri.lock() {
                             *slot = Some(discovery.jwks_uri.clone());
                         }
@@ -159,16 +185,28 @@ impl KeyStore {
                     }
                 };
                 match client.get(&jwks_uri).await {
-                    Ok(body) => KeySet::from_jwks(&body),
+                    Ok(body) => Ok(KeySet::from_jwks(&body)?),
                     Err(e) => {
                         // The issuer may have moved its JWKS; look it up again next time.
                         if let Ok(mut slot) = self.jwks_uri.lock() {
                             *slot = None;
                         }
-                        Err(e.to_string())
+                        Err(Fetched::Transport(e))
                     }
                 }
             }
         }
+    }
+}
+
+/// What went wrong fetching, before the source is named.
+enum Fetched {
+    Transport(FetchError),
+    Invalid(String),
+}
+
+impl From<KeyError> for Fetched {
+    fn from(e: KeyError) -> Self {
+        Self::Invalid(e.to_string())
     }
 }

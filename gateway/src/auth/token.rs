@@ -7,6 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_tunnel::untrusted::printable;
 
 use base64::Engine;
 use jsonwebtoken::errors::ErrorKind;
@@ -219,7 +220,7 @@ impl TokenVerifier {
         let alg = Algorithm::from_str(&header.alg)
             .ok()
             .filter(|alg| self.settings.algorithms.contains(alg))
-            .ok_or_else(|| AuthError::AlgorithmNotAllowed(printable(&header.alg)))?;
+            .ok_or_else(|| AuthError::AlgorithmNotAllowed(printable(&header.alg, 32)))?;
 
         let mut validation = Validation::new(alg);
         validation.set_issuer(&[&self.settings.issuer]);
@@ -275,7 +276,7 @@ fn map_error(e: jsonwebtoken::errors::Error) -> AuthError {
         ErrorKind::InvalidIssuer => AuthError::WrongIssuer,
         ErrorKind::InvalidSubject => AuthError::SubjectNotAllowed,
         ErrorKind::MissingRequiredClaim(claim) | ErrorKind::InvalidClaimFormat(claim) => {
-            AuthError::BadClaim(printable(&claim))
+            AuthError::BadClaim(printable(&claim, 32))
         }
         ErrorKind::InvalidAlgorithm => AuthError::AlgorithmNotAllowed("for this key".into()),
         ErrorKind::Json(_) => AuthError::BadClaim("claims".into()),
@@ -286,11 +287,6 @@ fn map_error(e: jsonwebtoken::errors::Error) -> AuthError {
         | ErrorKind::InvalidKeyFormat => AuthError::BadSignature,
         _ => AuthError::Malformed,
     }
-}
-
-/// Attacker-controlled text trimmed to something safe to log.
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(32).collect()
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! line. The Host header is ignored: the target is the request line's authority.
 
 use std::io;
+use tether_tunnel::untrusted::printable;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -87,7 +88,7 @@ fn parse(buf: &[u8]) -> Result<Option<(String, usize)>, HeadError> {
                 && method != "CONNECT"
                 && buf.contains(&b'\n')
             {
-                return Err(HeadError::NotConnect(printable(method)));
+                return Err(HeadError::NotConnect(printable(method, 32)));
             }
             return Ok(None);
         }
@@ -95,7 +96,7 @@ fn parse(buf: &[u8]) -> Result<Option<(String, usize)>, HeadError> {
     };
     let method = request.method.unwrap_or_default();
     if method != "CONNECT" {
-        return Err(HeadError::NotConnect(printable(method)));
+        return Err(HeadError::NotConnect(printable(method, 32)));
     }
     let target = request.path.unwrap_or_default();
     if target.is_empty() {
@@ -132,10 +133,6 @@ pub fn error_response(status: u16, reason: &str) -> Vec<u8> {
     head.push_str("\r\n");
     head.push_str(&body);
     head.into_bytes()
-}
-
-fn printable(s: &str) -> String {
-    s.chars().filter(|c| c.is_ascii_graphic()).take(32).collect()
 }
 
 #[cfg(test)]

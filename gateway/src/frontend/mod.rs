@@ -1,118 +1,259 @@
 //! The frontends a tenant's kube-apiserver connects to: a Unix socket and/or a TCP port (plain,
 //! TLS, or mutual TLS), each speaking HTTP CONNECT and each bound to exactly one tenant, so a
 //! frontend can only ever reach its own tenant's agents.
+//!
+//! A bound socket outlives the configuration it was bound for: a reload that keeps a frontend's
+//! address (or socket path) hands the same socket to the new serving task, so the address is never
+//! released (no "address in use", no connection refused) and a Unix socket file is removed only
+//! when no configuration uses its path any more.
 
 pub mod connect;
 pub mod shared;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context as _;
-use tether_tunnel::tls::{self, ReloadableCert};
-use tokio_util::sync::CancellationToken;
-
 use tether_tunnel::splice::{Direction, splice};
+use tether_tunnel::tls::{self, ReloadableCert};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
+use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
 
-use crate::dial::dial;
+use crate::certs::CertRegistry;
+use crate::config::TenantConfig;
+use crate::dial::Dialer;
+use crate::error::SetupError;
+use crate::lifecycle::Lifecycle;
 use crate::metrics::BYTES;
-use crate::server::{CertRegistry, Shared};
+use crate::settings::FrontendSettings;
 use crate::target::DialTarget;
 use crate::tenant::Tenant;
 use connect::{ESTABLISHED, error_response, read_request};
 
-/// A bound frontend listener of one tenant.
-pub enum FrontendListener {
-    /// A Unix socket and its path.
-    Unix(UnixListener, PathBuf),
-    /// A TCP listener, with TLS (and maybe client certificates) or plain.
-    Tcp(TcpListener, Option<TlsAcceptor>),
+/// What serving a CONNECT needs.
+pub struct FrontendContext {
+    /// Opens the dials.
+    pub dialer: Dialer,
+    /// Drain and stop.
+    pub lifecycle: Arc<Lifecycle>,
+    /// Timeouts.
+    pub settings: FrontendSettings,
 }
 
-impl FrontendListener {
-    /// The TCP address, for TCP listeners.
+/// A bound Unix socket; its file is removed when the last user lets go of it.
+pub struct UnixSocket {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl Drop for UnixSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A bound TCP socket and the address it was configured with (which may say port 0).
+pub struct TcpSocket {
+    listener: TcpListener,
+    configured: SocketAddr,
+}
+
+/// A bound frontend socket, shared by the serving tasks of successive configurations.
+#[derive(Clone)]
+pub enum Socket {
+    /// A Unix socket.
+    Unix(Arc<UnixSocket>),
+    /// A TCP socket.
+    Tcp(Arc<TcpSocket>),
+}
+
+/// One frontend of a tenant, ready to serve: its socket and, for TCP, its TLS.
+pub struct Frontend {
+    socket: Socket,
+    tls: Option<TlsAcceptor>,
+}
+
+impl Frontend {
+    /// The TCP address, for TCP frontends.
     pub fn tcp_addr(&self) -> Option<SocketAddr> {
-        match self {
-            Self::Tcp(listener, _) => listener.local_addr().ok(),
-            Self::Unix(..) => None,
+        match &self.socket {
+            Socket::Tcp(tcp) => tcp.listener.local_addr().ok(),
+            Socket::Unix(_) => None,
         }
     }
 }
 
-/// Binds every frontend of a tenant's current configuration. Certificates loaded here are
-/// registered in `certs` so a reload re-reads them.
-pub async fn bind(tenant: &Tenant, certs: &CertRegistry) -> anyhow::Result<Vec<FrontendListener>> {
-    let config = tenant.config();
-    let key = |field: &str| format!("tenants[{}].frontend.{field}", tenant.name);
-    let mut listeners = Vec::new();
+/// Binds the frontends of `config`, reusing `existing` sockets whose address or path is the same.
+/// Certificates loaded here are registered in `certs` so a reload re-reads them.
+pub async fn bind(
+    config: &TenantConfig,
+    certs: &CertRegistry,
+    existing: &[Socket],
+) -> Result<Vec<Frontend>, SetupError> {
+    let key = |field: &str| format!("tenants[{}].frontend.{field}", config.name);
+    let mut frontends = Vec::new();
     if let Some(path) = &config.frontend.uds {
-        let listener = crate::server::bind_unix(path).with_context(|| key("uds"))?;
+        let reused = existing.iter().find_map(|s| match s {
+            Socket::Unix(unix) if unix.path == *path => Some(unix.clone()),
+            _ => None,
+        });
+        let socket = match reused {
+            Some(socket) => socket,
+            None => {
+                let listener =
+                    crate::server::bind_unix(path).map_err(|e| SetupError::listen(key("uds"), path.display(), e))?;
+                Arc::new(UnixSocket { listener, path: path.clone() })
+            }
+        };
         if let Some(bits) = config.frontend.uds_permissions() {
             use std::os::unix::fs::PermissionsExt;
-            let bits = bits.map_err(anyhow::Error::msg).with_context(|| key("uds_mode"))?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits)).with_context(|| key("uds_mode"))?;
+            let bits = bits.map_err(|e| SetupError::invalid(key("uds_mode"), e))?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits))
+                .map_err(|e| SetupError::file(key("uds_mode"), e))?;
         }
-        listeners.push(FrontendListener::Unix(listener, path.clone()));
+        frontends.push(Frontend { socket: Socket::Unix(socket), tls: None });
     }
     if let Some(tcp) = &config.frontend.tcp {
-        let listener = crate::server::bind_tcp(tcp.listen).await.with_context(|| key("tcp.listen"))?;
-        let acceptor = match &tcp.tls {
+        let reused = existing.iter().find_map(|s| match s {
+            Socket::Tcp(socket) if socket.configured == tcp.listen => Some(socket.clone()),
+            _ => None,
+        });
+        let socket = match reused {
+            Some(socket) => socket,
+            None => {
+                let listener = crate::server::bind_tcp(tcp.listen)
+                    .await
+                    .map_err(|e| SetupError::listen(key("tcp.listen"), tcp.listen, e))?;
+                Arc::new(TcpSocket { listener, configured: tcp.listen })
+            }
+        };
+        let tls = match &tcp.tls {
             Some(files) => {
-                let cert = ReloadableCert::load(&files.cert_file, &files.key_file).with_context(|| key("tcp.tls"))?;
+                let cert = ReloadableCert::load(&files.cert_file, &files.key_file)
+                    .map_err(|e| SetupError::tls(key("tcp.tls"), e))?;
                 certs.register(&cert);
                 let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), &[])
-                    .with_context(|| key("tcp.client_ca_file"))?;
+                    .map_err(|e| SetupError::tls(key("tcp.client_ca_file"), e))?;
                 Some(TlsAcceptor::from(Arc::new(server)))
             }
             None => None,
         };
-        listeners.push(FrontendListener::Tcp(listener, acceptor));
+        frontends.push(Frontend { socket: Socket::Tcp(socket), tls });
     }
-    Ok(listeners)
+    Ok(frontends)
 }
 
-/// Serves bound listeners until the gateway drains or `stop` is cancelled; Unix socket files are
-/// removed when their listener stops.
-pub fn spawn(
-    listeners: Vec<FrontendListener>,
-    tenant: &Arc<Tenant>,
-    shared: &Arc<Shared>,
-    stop: &CancellationToken,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    listeners
-        .into_iter()
-        .map(|listener| {
-            let (tenant, shared, stop) = (tenant.clone(), shared.clone(), stop.clone());
-            tokio::spawn(async move {
-                match listener {
-                    FrontendListener::Unix(l, path) => {
-                        serve_uds(l, tenant, shared, stop).await;
-                        let _ = std::fs::remove_file(&path);
-                    }
-                    FrontendListener::Tcp(l, tls) => serve_tcp(l, tls, tenant, shared, stop).await,
-                }
+/// The serving frontends of one tenant.
+struct Serving {
+    frontends: Vec<Frontend>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Serving {
+    /// Stops accepting and waits until every accept loop has ended (connections already
+    /// accepted go on).
+    async fn stop(self) -> Vec<Frontend> {
+        self.stop.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        self.frontends
+    }
+}
+
+/// Every tenant's serving frontends.
+#[derive(Default)]
+pub struct FrontendSet {
+    by_tenant: Mutex<HashMap<String, Serving>>,
+}
+
+impl FrontendSet {
+    /// The sockets `tenant` serves on now (a new configuration may reuse them).
+    pub fn sockets(&self, tenant: &str) -> Vec<Socket> {
+        self.by_tenant
+            .lock()
+            .map(|map| {
+                map.get(tenant).map(|s| s.frontends.iter().map(|f| f.socket.clone()).collect()).unwrap_or_default()
             })
-        })
-        .collect()
+            .unwrap_or_default()
+    }
+
+    /// The TCP address `tenant` serves CONNECT on, if it has one.
+    pub fn tcp_addr(&self, tenant: &str) -> Option<SocketAddr> {
+        let map = self.by_tenant.lock().ok()?;
+        map.get(tenant)?.frontends.iter().find_map(Frontend::tcp_addr)
+    }
+
+    /// Serves `frontends` for `tenant`, after the tenant's previous frontends (if any) have
+    /// stopped accepting; sockets the new ones do not reuse are closed.
+    pub async fn replace(&self, tenant: &Arc<Tenant>, frontends: Vec<Frontend>, context: &Arc<FrontendContext>) {
+        let previous = self.by_tenant.lock().ok().and_then(|mut map| map.remove(&*tenant.name));
+        if let Some(previous) = previous {
+            drop(previous.stop().await);
+        }
+        let stop = CancellationToken::new();
+        let tasks = frontends.iter().map(|f| spawn(f, tenant, context, &stop)).collect();
+        if let Ok(mut map) = self.by_tenant.lock() {
+            map.insert(tenant.name.to_string(), Serving { frontends, stop, tasks });
+        }
+    }
+
+    /// Stops serving `tenant` and closes its sockets.
+    pub async fn remove(&self, tenant: &str) {
+        let previous = self.by_tenant.lock().ok().and_then(|mut map| map.remove(tenant));
+        if let Some(previous) = previous {
+            drop(previous.stop().await);
+        }
+    }
+
+    /// Stops every frontend (the drain) and closes the sockets; Unix socket files are removed.
+    pub async fn stop_all(&self) {
+        let all: Vec<Serving> =
+            self.by_tenant.lock().map(|mut map| map.drain().map(|(_, s)| s).collect()).unwrap_or_default();
+        for serving in all {
+            drop(serving.stop().await);
+        }
+    }
+}
+
+fn spawn(
+    frontend: &Frontend,
+    tenant: &Arc<Tenant>,
+    context: &Arc<FrontendContext>,
+    stop: &CancellationToken,
+) -> JoinHandle<()> {
+    let (tenant, context, stop) = (tenant.clone(), context.clone(), stop.clone());
+    match &frontend.socket {
+        Socket::Unix(socket) => tokio::spawn(serve_uds(socket.clone(), tenant, context, stop)),
+        Socket::Tcp(socket) => tokio::spawn(serve_tcp(socket.clone(), frontend.tls.clone(), tenant, context, stop)),
+    }
 }
 
 /// Serves CONNECT requests on a Unix socket until the gateway drains or `stop` is cancelled.
-pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<Shared>, stop: CancellationToken) {
+async fn serve_uds(
+    socket: Arc<UnixSocket>,
+    tenant: Arc<Tenant>,
+    context: Arc<FrontendContext>,
+    stop: CancellationToken,
+) {
+    let lifecycle = context.lifecycle.clone();
     loop {
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = shared.drain_started.cancelled() => break,
+            accepted = socket.listener.accept() => accepted,
+            () = lifecycle.drain_started().cancelled() => break,
             () = stop.cancelled() => break,
         };
         match accepted {
             Ok((stream, _)) => {
-                let (tenant, shared2) = (tenant.clone(), shared.clone());
-                shared.conn_tasks.spawn(async move { serve_connection(stream, tenant, shared2, "unix socket").await });
+                let (tenant, context) = (tenant.clone(), context.clone());
+                lifecycle
+                    .spawn_connection(async move { serve_connection(stream, tenant, &context, "unix socket").await });
             }
             Err(e) => accept_failed(&tenant, &e).await,
         }
@@ -121,17 +262,18 @@ pub async fn serve_uds(listener: UnixListener, tenant: Arc<Tenant>, shared: Arc<
 
 /// Serves CONNECT requests on TCP, with TLS when `tls` is set, until the gateway drains or
 /// `stop` is cancelled.
-pub async fn serve_tcp(
-    listener: TcpListener,
+async fn serve_tcp(
+    socket: Arc<TcpSocket>,
     tls: Option<TlsAcceptor>,
     tenant: Arc<Tenant>,
-    shared: Arc<Shared>,
+    context: Arc<FrontendContext>,
     stop: CancellationToken,
 ) {
+    let lifecycle = context.lifecycle.clone();
     loop {
         let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = shared.drain_started.cancelled() => break,
+            accepted = socket.listener.accept() => accepted,
+            () = lifecycle.drain_started().cancelled() => break,
             () = stop.cancelled() => break,
         };
         let (stream, peer) = match accepted {
@@ -142,18 +284,18 @@ pub async fn serve_tcp(
             }
         };
         let _ = stream.set_nodelay(true);
-        let (tenant, shared2, tls) = (tenant.clone(), shared.clone(), tls.clone());
-        shared.conn_tasks.spawn(async move {
+        let (tenant, context, tls) = (tenant.clone(), context.clone(), tls.clone());
+        lifecycle.spawn_connection(async move {
             let peer = peer.to_string();
             // Each branch is boxed: a task lives as long as its tunnelled connection, and an
             // unboxed future would reserve room for the TLS handshake and every branch.
             match tls {
-                None => Box::pin(serve_connection(stream, tenant, shared2, &peer)).await,
+                None => Box::pin(serve_connection(stream, tenant, &context, &peer)).await,
                 Some(acceptor) => {
-                    let timeout = shared2.config.limits.handshake_timeout.0;
+                    let timeout = context.settings.handshake_timeout;
                     let accepted = Box::pin(tokio::time::timeout(timeout, acceptor.accept(stream))).await;
                     match accepted {
-                        Ok(Ok(tls_stream)) => Box::pin(serve_connection(tls_stream, tenant, shared2, &peer)).await,
+                        Ok(Ok(tls_stream)) => Box::pin(serve_connection(tls_stream, tenant, &context, &peer)).await,
                         Ok(Err(e)) => {
                             tracing::info!(tenant = %tenant.name, %peer, error = %e, "frontend TLS handshake failed");
                         }
@@ -172,11 +314,11 @@ async fn accept_failed(tenant: &Tenant, e: &std::io::Error) {
 }
 
 /// One CONNECT exchange and, when it succeeds, the tunnelled connection.
-pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, shared: Arc<Shared>, peer: &str)
+pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: &FrontendContext, peer: &str)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let request_timeout = shared.config.limits.connect_request_timeout.0;
+    let request_timeout = context.settings.connect_request_timeout;
     let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
             let _ = client.write_all(&error_response(400, "timed out waiting for the CONNECT request")).await;
@@ -196,12 +338,12 @@ where
     let target = match DialTarget::parse(&request.target) {
         Ok(target) => target,
         Err(reason) => {
-            let _ = client.write_all(&error_response(400, &reason)).await;
+            let _ = client.write_all(&error_response(400, &reason.to_string())).await;
             return;
         }
     };
     // Boxed so the connection's long-lived future does not keep room for the dial's states.
-    let mut dialed = match Box::pin(dial(&shared, &tenant, &target)).await {
+    let mut dialed = match Box::pin(context.dialer.dial(&tenant, &target)).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
@@ -228,7 +370,7 @@ where
                 tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.carrier, error = %e, "tunnelled connection ended with an error");
             }
         }
-        () = shared.hard_stop.cancelled() => {
+        () = context.lifecycle.hard_stop().cancelled() => {
             tracing::info!(tenant = %tenant.name, %peer, %target, "closing tunnelled connection: drain grace period over");
         }
     }

@@ -10,16 +10,21 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::connect::error_response;
-use super::serve_connection;
-use crate::server::Shared;
-use crate::tenant::Tenant;
+use super::{FrontendContext, serve_connection};
+use crate::tenant::{Tenant, TenantSet};
 
 /// Serves the shared frontend until the gateway drains.
-pub async fn serve(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Shared>) {
+pub async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    tenants: Arc<TenantSet>,
+    context: Arc<FrontendContext>,
+) {
+    let lifecycle = context.lifecycle.clone();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            () = shared.drain_started.cancelled() => break,
+            () = lifecycle.drain_started().cancelled() => break,
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
@@ -30,9 +35,9 @@ pub async fn serve(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Sha
             }
         };
         let _ = stream.set_nodelay(true);
-        let (acceptor, shared2) = (acceptor.clone(), shared.clone());
-        shared.conn_tasks.spawn(async move {
-            let timeout = shared2.config.limits.handshake_timeout.0;
+        let (acceptor, tenants, context) = (acceptor.clone(), tenants.clone(), context.clone());
+        lifecycle.spawn_connection(async move {
+            let timeout = context.settings.handshake_timeout;
             let mut tls = match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(e)) => {
@@ -42,11 +47,11 @@ pub async fn serve(listener: TcpListener, acceptor: TlsAcceptor, shared: Arc<Sha
                 Err(_) => return,
             };
             let names = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map(dns_names).unwrap_or_default();
-            match tenant_for(&shared2, &names) {
-                Ok(tenant) => serve_connection(tls, tenant, shared2, &peer.to_string()).await,
+            match tenant_for(&tenants, &names) {
+                Ok(tenant) => serve_connection(tls, tenant, &context, &peer.to_string()).await,
                 Err(reason) => {
                     tracing::warn!(%peer, names = ?names, %reason, "shared frontend client refused");
-                    let _ = tls.write_all(&error_response(403, &reason)).await;
+                    let _ = tls.write_all(&error_response(403, &reason.to_string())).await;
                     let _ = tls.shutdown().await;
                 }
             }
@@ -61,19 +66,28 @@ fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Why a client certificate maps to no tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum ClientNameError {
+    #[error("the client certificate names more than one cluster")]
+    SeveralClusters,
+    #[error("the client certificate is not mapped to any cluster on this frontend")]
+    NoCluster,
+}
+
 /// Exactly one tenant must claim the certificate's names.
-fn tenant_for(shared: &Shared, names: &[String]) -> Result<Arc<Tenant>, String> {
-    let tenants = shared.tenants.load();
+fn tenant_for(tenants: &TenantSet, names: &[String]) -> Result<Arc<Tenant>, ClientNameError> {
+    let tenants = tenants.load();
     let mut found: Option<Arc<Tenant>> = None;
     for name in names {
         if let Some(tenant) = tenants.for_client_name(name) {
             match &found {
                 Some(other) if !Arc::ptr_eq(other, &tenant) => {
-                    return Err("the client certificate names more than one cluster".into());
+                    return Err(ClientNameError::SeveralClusters);
                 }
                 _ => found = Some(tenant),
             }
         }
     }
-    found.ok_or_else(|| "the client certificate is not mapped to any cluster on this frontend".into())
+    found.ok_or(ClientNameError::NoCluster)
 }

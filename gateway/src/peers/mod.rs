@@ -1,14 +1,14 @@
 //! Gateway replicas working as one: they find each other (a headless Service's DNS name or a
-//! fixed list), fetch each other's inventory (which agents each holds, per tenant; bounded), tell
-//! agents how many replicas there are, and forward a dial one hop to the replica that holds a
-//! suitable agent. Replicas authenticate each other with mutual TLS.
+//! fixed list), fetch each other's inventory (which agents each holds, per tenant; bounded), and
+//! tell agents how many replicas there are. The router asks which peers can serve a dial; the
+//! peer endpoint (`crate::peer_endpoint`) serves other replicas. Replicas authenticate each other
+//! with mutual TLS.
 
 pub mod client;
-pub mod endpoint;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -16,8 +16,9 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::config::{PeersConfig, RoutingStrategy};
+use crate::registry::{ClaimMemory, Summary};
 use crate::target::{DialTarget, TargetHost};
-use client::PeerClient;
+use client::{PeerClient, PeerTlsError};
 
 /// What one replica holds, as published to its peers.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -53,6 +54,18 @@ pub struct TenantInventory {
     pub cidrs: Vec<IpNet>,
 }
 
+impl From<Summary> for TenantInventory {
+    fn from(summary: Summary) -> Self {
+        Self {
+            agents: summary.agents,
+            default_routes: summary.default_routes,
+            hosts: summary.hosts,
+            addresses: summary.addresses,
+            cidrs: summary.cidrs,
+        }
+    }
+}
+
 /// A peer's inventory indexed for routing.
 #[derive(Debug, Default)]
 struct TenantIndex {
@@ -74,16 +87,17 @@ impl TenantIndex {
         }
     }
 
+    fn lists(&self, host: &TargetHost) -> bool {
+        match host {
+            TargetHost::Name(name) => self.hosts.contains(name),
+            TargetHost::Ip(ip) => self.addresses.contains(ip) || self.cidrs.iter().any(|n| n.contains(ip)),
+        }
+    }
+
     fn serves(&self, strategy: RoutingStrategy, target: &DialTarget, truncated: bool) -> bool {
         match strategy {
-            RoutingStrategy::DestHost => {
-                let listed = match &target.host {
-                    TargetHost::Name(name) => self.hosts.contains(name),
-                    TargetHost::Ip(ip) => self.addresses.contains(ip) || self.cidrs.iter().any(|n| n.contains(ip)),
-                };
-                // A truncated inventory may not list the match: ask the peer.
-                listed || (truncated && self.agents > 0)
-            }
+            // A truncated inventory may not list the match: ask the peer.
+            RoutingStrategy::DestHost => self.lists(&target.host) || (truncated && self.agents > 0),
             RoutingStrategy::DefaultRoute => self.default_routes > 0,
             RoutingStrategy::LeastLoaded => self.agents > 0,
         }
@@ -107,11 +121,13 @@ pub struct PeerSet {
     peers: RwLock<Vec<Arc<Peer>>>,
     count: watch::Sender<u32>,
     refreshing: tokio::sync::Mutex<Option<Instant>>,
+    /// Per tenant: what peers listed before and no longer list (agents that moved or left).
+    departed: Mutex<HashMap<String, ClaimMemory>>,
 }
 
 impl PeerSet {
     /// A peer set for this replica (`server_id`) with the given configuration.
-    pub fn new(config: PeersConfig, server_id: String) -> anyhow::Result<Self> {
+    pub fn new(config: PeersConfig, server_id: String) -> Result<Self, PeerTlsError> {
         let client = PeerClient::new(&config.tls)?;
         let (count, _) = watch::channel(1);
         Ok(Self {
@@ -121,7 +137,18 @@ impl PeerSet {
             peers: RwLock::new(Vec::new()),
             count,
             refreshing: tokio::sync::Mutex::new(None),
+            departed: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// This replica's id.
+    pub fn server_id(&self) -> &str {
+        &self.server_id
+    }
+
+    /// The most identifier entries an inventory may hold (`peers.max_inventory_entries`).
+    pub fn inventory_limit(&self) -> usize {
+        self.config.read().map(|c| c.max_inventory_entries).unwrap_or(100_000)
     }
 
     /// The TLS client replicas use to reach each other.
@@ -164,6 +191,26 @@ impl PeerSet {
         found
     }
 
+    /// Whether a peer lists an agent of `tenant` that claims `target` (its `dest_host`), or listed
+    /// one within [`crate::registry::CLAIM_MEMORY`].
+    pub fn claims(&self, tenant: &str, target: &DialTarget) -> bool {
+        let listed = self
+            .peers
+            .read()
+            .is_ok_and(|peers| peers.iter().any(|p| p.tenants.get(tenant).is_some_and(|t| t.lists(&target.host))));
+        listed
+            || self
+                .departed
+                .lock()
+                .is_ok_and(|departed| departed.get(tenant).is_some_and(|memory| memory.contains(&target.host)))
+    }
+
+    /// Whether `server_id` is a replica this one knows (or is itself).
+    pub fn knows(&self, server_id: &str) -> bool {
+        server_id == self.server_id
+            || self.peers.read().is_ok_and(|peers| peers.iter().any(|p| p.server_id == server_id))
+    }
+
     /// Whether some other replica holds agents of `tenant`.
     pub fn tenant_served_elsewhere(&self, tenant: &str) -> bool {
         self.peers
@@ -172,15 +219,16 @@ impl PeerSet {
             .unwrap_or(false)
     }
 
-    /// Rediscovers peers and refreshes their inventories until `stop` is cancelled.
+    /// Rediscovers peers and refreshes their inventories every `refresh_interval` until `stop`
+    /// is cancelled (the first round is the caller's, before serving).
     pub async fn run(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         loop {
-            self.refresh().await;
             let interval = self.config.read().map(|c| c.refresh_interval.0).unwrap_or(Duration::from_secs(2));
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = stop.cancelled() => return,
             }
+            self.refresh().await;
         }
     }
 
@@ -223,7 +271,7 @@ impl PeerSet {
         endpoints.dedup();
         let fetches = endpoints.iter().map(|addr| async move {
             let started = Instant::now();
-            (*addr, self.client.inventory(*addr, limit).await, started.elapsed())
+            (*addr, self.client.inventory(*addr, limit, &self.server_id).await, started.elapsed())
         });
         let results = futures::future::join_all(fetches).await;
         let mut fresh = Vec::new();
@@ -251,9 +299,11 @@ impl PeerSet {
             }
         }
         let live = u32::try_from(fresh.iter().filter(|p| !p.draining).count() + 1).unwrap_or(u32::MAX);
-        if let Ok(mut peers) = self.peers.write() {
-            *peers = fresh;
-        }
+        let previous = match self.peers.write() {
+            Ok(mut peers) => std::mem::replace(&mut *peers, fresh.clone()),
+            Err(_) => Vec::new(),
+        };
+        self.remember_departed(&previous, &fresh);
         self.count.send_if_modified(|count| {
             if *count != live {
                 tracing::info!(from = *count, to = live, "gateway replica count changed");
@@ -266,19 +316,38 @@ impl PeerSet {
     }
 }
 
+impl PeerSet {
+    /// Remembers what the previous inventories listed that no peer lists any more, per tenant.
+    fn remember_departed(&self, previous: &[Arc<Peer>], fresh: &[Arc<Peer>]) {
+        let Ok(mut departed) = self.departed.lock() else { return };
+        for old in previous {
+            for (tenant, index) in &old.tenants {
+                let still =
+                    |host: &TargetHost| fresh.iter().any(|p| p.tenants.get(tenant).is_some_and(|t| t.lists(host)));
+                let hosts: Vec<&String> =
+                    index.hosts.iter().filter(|h| !still(&TargetHost::Name((*h).clone()))).collect();
+                let addresses: Vec<&IpAddr> = index.addresses.iter().filter(|a| !still(&TargetHost::Ip(**a))).collect();
+                let cidrs: Vec<&IpNet> = index
+                    .cidrs
+                    .iter()
+                    .filter(|n| !fresh.iter().any(|p| p.tenants.get(tenant).is_some_and(|t| t.cidrs.contains(n))))
+                    .collect();
+                if hosts.is_empty() && addresses.is_empty() && cidrs.is_empty() {
+                    continue;
+                }
+                departed.entry(tenant.clone()).or_default().remember(hosts, addresses, cidrs);
+            }
+        }
+    }
+}
+
 impl Inventory {
-    /// Builds this replica's inventory, keeping at most `limit` identifier entries.
-    pub fn local(shared: &crate::server::Shared, limit: usize) -> Self {
-        let mut inventory = Inventory {
-            server_id: shared.server_id.clone(),
-            draining: shared.drain_started.is_cancelled(),
-            ..Inventory::default()
-        };
-        let mut budget = limit;
-        for tenant in shared.tenants.load().iter() {
-            let (summary, truncated) = tenant.registry.summary(&mut budget);
+    /// This replica's inventory from its tenants' registry summaries.
+    pub fn new(server_id: String, draining: bool, tenants: impl IntoIterator<Item = (String, Summary, bool)>) -> Self {
+        let mut inventory = Inventory { server_id, draining, ..Inventory::default() };
+        for (name, summary, truncated) in tenants {
             inventory.truncated |= truncated;
-            inventory.tenants.insert(tenant.name.to_string(), summary);
+            inventory.tenants.insert(name, summary.into());
         }
         inventory
     }
