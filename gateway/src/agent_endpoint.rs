@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use tether_tunnel::untrusted::printable;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{
     AUTHORIZATION, CONNECTION, HOST, RETRY_AFTER, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL,
     SEC_WEBSOCKET_VERSION, UPGRADE, WWW_AUTHENTICATE,
@@ -17,10 +17,8 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tether_tunnel::protocol::{SUBPROTOCOL, TUNNEL_PATH};
-use tether_tunnel::ws::WsByteStream;
-use tokio_tungstenite::WebSocketStream;
+use tether_tunnel::ws_link::{WsLink, WsRole};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
 
 use crate::agent_session::{self, SessionSlots, Sessions};
 use crate::auth::token::AuthError;
@@ -117,15 +115,10 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
             }
         };
         let sessions = for_task;
-        let ws_settings = &sessions.settings.ws;
-        let ws = Box::pin(WebSocketStream::from_raw_socket(
-            TokioIo::new(upgraded),
-            Role::Server,
-            Some(ws_settings.tungstenite_config()),
-        ))
-        .await;
-        let stream = WsByteStream::new(ws, ws_settings);
-        agent_session::run(sessions, tenant, identity, stream, peer, slots).await;
+        // hyper keeps any bytes it read past the request inside `upgraded`.
+        let link =
+            WsLink::new(TokioIo::new(upgraded), WsRole::Server, sessions.settings.ws.link_settings(), BytesMut::new());
+        agent_session::run(sessions, tenant, identity, link, peer, slots).await;
     });
 
     let mut response = Response::new(Full::new(Bytes::new()));

@@ -9,22 +9,22 @@ use tether_tunnel::tls::TlsError;
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     /// A listener could not be bound.
-    #[error("{key}: cannot listen on {address}: {source}")]
+    #[error("{key}: cannot listen on {address}: {error}")]
     Listen {
         /// The configuration key.
         key: String,
         /// The address or socket path.
         address: String,
         /// Why.
-        source: io::Error,
+        error: io::Error,
     },
     /// A certificate, key or CA file did not load.
-    #[error("{key}: {source}")]
+    #[error("{key}: {error}")]
     Tls {
         /// The configuration key.
         key: String,
         /// Why.
-        source: TlsError,
+        error: TlsError,
     },
     /// A referenced file could not be read or does not hold what it should.
     #[error("{key}: {reason}")]
@@ -47,12 +47,12 @@ pub enum SetupError {
 impl SetupError {
     /// A listener that could not be bound.
     pub fn listen(key: impl Into<String>, address: impl std::fmt::Display, source: io::Error) -> Self {
-        Self::Listen { key: key.into(), address: address.to_string(), source }
+        Self::Listen { key: key.into(), address: address.to_string(), error: source }
     }
 
     /// A TLS file that did not load.
     pub fn tls(key: impl Into<String>, source: TlsError) -> Self {
-        Self::Tls { key: key.into(), source }
+        Self::Tls { key: key.into(), error: source }
     }
 
     /// A file that could not be used.

@@ -23,7 +23,7 @@ use tether_tunnel::protocol::{
     SUBPROTOCOL, StreamOpen, StreamResult, Welcome,
 };
 use tether_tunnel::transport::Transport;
-use tether_tunnel::ws::{WsByteStream, WsSettings};
+use tether_tunnel::ws::WsSettings;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
@@ -239,26 +239,10 @@ async fn connect_inner(
     let mut bearer = HeaderValue::from_str(&format!("Bearer {token}")).context("token is not a valid header")?;
     bearer.set_sensitive(true);
     headers.insert(AUTHORIZATION, bearer);
-    let (ws, response) = tokio_tungstenite::client_async_with_config(
-        request,
-        Transport::ClientTls(Box::new(tls)),
-        Some(target.ws.tungstenite_config()),
-    )
-    .await
-    .map_err(|e| match e {
-        tokio_tungstenite::tungstenite::Error::Http(response) => anyhow::anyhow!(
-            "gateway refused the upgrade with {}: {}",
-            response.status(),
-            String::from_utf8_lossy(response.body().as_deref().unwrap_or_default()).trim()
-        ),
-        other => anyhow::anyhow!("WebSocket upgrade failed: {other}"),
-    })?;
-    anyhow::ensure!(
-        response.headers().get(SEC_WEBSOCKET_PROTOCOL).and_then(|v| v.to_str().ok()) == Some(SUBPROTOCOL),
-        "gateway did not agree to {SUBPROTOCOL}"
-    );
-    let bytes = WsByteStream::new(ws, &target.ws);
-    let (session, incoming, driver) = mux::start(bytes, Role::Client, &target.mux);
+    let link = tether_tunnel::client::upgrade_over(Transport::ClientTls(Box::new(tls)), &request, &target.ws)
+        .await
+        .map_err(|e| anyhow::anyhow!("WebSocket upgrade failed: {e}"))?;
+    let (session, incoming, driver) = mux::start(link, Role::Client, &target.mux);
     tokio::spawn(driver);
     let handshake = async {
         let mut control = session.open().await?;

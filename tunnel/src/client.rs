@@ -4,19 +4,24 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::header::{AUTHORIZATION, HeaderValue, SEC_WEBSOCKET_PROTOCOL, USER_AGENT};
+use bytes::BytesMut;
+use http::header::{
+    AUTHORIZATION, HeaderValue, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL, USER_AGENT,
+};
 use http::{Request, Uri};
 use rustls::ClientConfig;
 use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
-use tokio_tungstenite::tungstenite;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use crate::protocol::SUBPROTOCOL;
 use crate::proxy::{self, ProxyError, ProxySettings};
 use crate::transport::Transport;
-use crate::ws::{WsByteStream, WsSettings};
+use crate::ws::WsSettings;
+use crate::ws_link::{WsLink, WsRole};
 
 /// How to reach a gateway.
 #[derive(Clone, Default)]
@@ -99,11 +104,8 @@ impl ConnectError {
     }
 }
 
-/// Dials the gateway and returns the tunnel as a byte stream.
-pub async fn connect(
-    settings: &ClientSettings,
-    bearer_token: Option<&str>,
-) -> Result<WsByteStream<Transport>, ConnectError> {
+/// Dials the gateway and returns the tunnel's WebSocket link.
+pub async fn connect(settings: &ClientSettings, bearer_token: Option<&str>) -> Result<WsLink<Transport>, ConnectError> {
     let (host, port, tls) = target(&settings.url)?;
     let addr = format!("{host}:{port}");
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
@@ -150,36 +152,118 @@ async fn upgrade(
     transport: Transport,
     bearer_token: Option<&str>,
     addr: &str,
-) -> Result<WsByteStream<Transport>, ConnectError> {
+) -> Result<WsLink<Transport>, ConnectError> {
     let mut request = upgrade_request(settings, bearer_token)?;
     if let Some(name) = &settings.tls_server_name
         && let Ok(value) = HeaderValue::from_str(name)
     {
         request.headers_mut().insert(http::header::HOST, value);
     }
-    let config = settings.ws.tungstenite_config();
-    match tokio_tungstenite::client_async_with_config(request, transport, Some(config)).await {
-        Ok((ws, response)) => {
-            let agreed = response.headers().get(SEC_WEBSOCKET_PROTOCOL).and_then(|v| v.to_str().ok());
-            if agreed != Some(SUBPROTOCOL) {
-                return Err(ConnectError::Handshake {
-                    addr: addr.to_owned(),
-                    reason: format!("gateway did not agree to subprotocol {SUBPROTOCOL} (got {agreed:?})"),
-                });
-            }
-            Ok(WsByteStream::new(ws, &settings.ws))
-        }
-        Err(tungstenite::Error::Http(response)) => {
-            let status = response.status().as_u16();
-            let body = response.body().as_deref().unwrap_or_default();
-            let reason: String = String::from_utf8_lossy(body).trim().chars().take(300).collect();
-            Err(ConnectError::Rejected { status, reason })
-        }
-        Err(e) => Err(ConnectError::Handshake { addr: addr.to_owned(), reason: e.to_string() }),
-    }
+    upgrade_over(transport, &request, &settings.ws).await.map_err(|e| match e {
+        UpgradeError::Rejected { status, reason } => ConnectError::Rejected { status, reason },
+        other => ConnectError::Handshake { addr: addr.to_owned(), reason: other.to_string() },
+    })
 }
 
-fn upgrade_request(settings: &ClientSettings, bearer_token: Option<&str>) -> Result<Request<()>, ConnectError> {
+/// Why a WebSocket upgrade did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    /// The server answered with an HTTP error.
+    #[error("refused with HTTP {status}: {reason}")]
+    Rejected {
+        /// HTTP status.
+        status: u16,
+        /// The body (the gateway's short reason).
+        reason: String,
+    },
+    /// The answer was not a valid upgrade to `tether.v1`.
+    #[error("{0}")]
+    Invalid(String),
+    /// The connection failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Largest upgrade response head accepted.
+const MAX_RESPONSE_HEAD: usize = 16 * 1024;
+
+/// Sends the upgrade `request` over `io` and checks the answer (101, the accept key, our
+/// subprotocol); returns the data path, with any bytes the server sent after the head kept.
+pub async fn upgrade_over<S>(mut io: S, request: &Request<()>, ws: &WsSettings) -> Result<WsLink<S>, UpgradeError>
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let key = request
+        .headers()
+        .get(SEC_WEBSOCKET_KEY)
+        .and_then(|k| k.to_str().ok())
+        .ok_or_else(|| UpgradeError::Invalid("the request has no Sec-WebSocket-Key".into()))?
+        .to_owned();
+    let path = request.uri().path_and_query().map_or("/", |p| p.as_str());
+    let mut head = format!("GET {path} HTTP/1.1\r\n");
+    for (name, value) in request.headers() {
+        head.push_str(name.as_str());
+        head.push_str(": ");
+        head.push_str(&String::from_utf8_lossy(value.as_bytes()));
+        head.push_str("\r\n");
+    }
+    head.push_str("\r\n");
+    io.write_all(head.as_bytes()).await?;
+    io.flush().await?;
+
+    let mut buf = BytesMut::with_capacity(1024);
+    let head_len = loop {
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        if buf.len() > MAX_RESPONSE_HEAD {
+            return Err(UpgradeError::Invalid("the upgrade response head is too large".into()));
+        }
+        if io.read_buf(&mut buf).await? == 0 {
+            return Err(UpgradeError::Invalid("the server closed the connection before answering".into()));
+        }
+    };
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    response.parse(&buf[..head_len]).map_err(|e| UpgradeError::Invalid(format!("bad upgrade response: {e}")))?;
+    let status = response.code.unwrap_or(0);
+    let header = |name: &http::header::HeaderName| {
+        response
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name.as_str()))
+            .map(|h| String::from_utf8_lossy(h.value).trim().to_owned())
+    };
+    if status != 101 {
+        let length: usize = header(&http::header::CONTENT_LENGTH).and_then(|l| l.parse().ok()).unwrap_or(0).min(4096);
+        let mut body = buf.split_off(head_len);
+        let rest = async {
+            while body.len() < length {
+                if io.read_buf(&mut body).await.unwrap_or(0) == 0 {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), rest).await;
+        body.truncate(length);
+        let reason: String = String::from_utf8_lossy(&body).trim().chars().take(300).collect();
+        return Err(UpgradeError::Rejected { status, reason });
+    }
+    if header(&SEC_WEBSOCKET_ACCEPT).as_deref() != Some(derive_accept_key(key.as_bytes()).as_str()) {
+        return Err(UpgradeError::Invalid("the server's Sec-WebSocket-Accept does not match our key".into()));
+    }
+    let agreed = header(&SEC_WEBSOCKET_PROTOCOL);
+    if agreed.as_deref() != Some(SUBPROTOCOL) {
+        return Err(UpgradeError::Invalid(format!(
+            "gateway did not agree to subprotocol {SUBPROTOCOL} (got {agreed:?})"
+        )));
+    }
+    let read_ahead = buf.split_off(head_len);
+    Ok(WsLink::new(io, WsRole::Client, ws.link_settings(), read_ahead))
+}
+
+/// The upgrade request for `settings`' URL, with our subprotocol, user agent and token.
+pub fn upgrade_request(settings: &ClientSettings, bearer_token: Option<&str>) -> Result<Request<()>, ConnectError> {
     // tungstenite expects ws/wss; the scheme does not go on the wire.
     let mut parts = settings.url.clone().into_parts();
     let scheme = parts.scheme.as_ref().map(|s| s.as_str().to_owned()).unwrap_or_default();

@@ -25,3 +25,4 @@ pub mod tls;
 pub mod transport;
 pub mod untrusted;
 pub mod ws;
+pub mod ws_link;

@@ -57,6 +57,16 @@ impl Default for WsSettings {
 }
 
 impl WsSettings {
+    /// The settings of the WebSocket data path ([`crate::ws_link::WsLink`]).
+    pub fn link_settings(&self) -> crate::ws_link::WsLinkSettings {
+        crate::ws_link::WsLinkSettings {
+            max_frame_size: self.max_message_size,
+            read_size: self.read_buffer_size,
+            accept_unmasked_frames: self.accept_unmasked_frames,
+            keepalive: self.keepalive,
+        }
+    }
+
     /// The tungstenite configuration these settings imply.
     pub fn tungstenite_config(&self) -> WebSocketConfig {
         WebSocketConfig::default()
@@ -327,8 +337,8 @@ where
         Pin::new(&mut self.ws).poll_ready(cx).map_err(ws_to_io)
     }
 
-    fn start_send(&mut self, batch: Bytes) -> io::Result<()> {
-        Pin::new(&mut self.ws).start_send(Message::Binary(batch)).map_err(ws_to_io)
+    fn start_send(&mut self, batch: BytesMut) -> io::Result<()> {
+        Pin::new(&mut self.ws).start_send(Message::Binary(batch.freeze())).map_err(ws_to_io)
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

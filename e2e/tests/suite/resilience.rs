@@ -102,11 +102,17 @@ async fn garbage_closes_one_session_never_the_process() {
     // Not a multiplexer frame at all: the gateway closes this session.
     let mut ws = client::connect(&settings, Some(&token)).await.unwrap();
     let garbage: Vec<u8> = (0..4096).map(|_| fastrand::u8(..)).collect();
-    ws.write_all(&garbage).await.unwrap();
-    ws.flush().await.unwrap();
-    let mut sink = Vec::new();
-    let ended = tokio::time::timeout(Duration::from_secs(10), ws.read_to_end(&mut sink)).await;
-    assert!(ended.is_ok(), "the gateway must close a session that sends garbage");
+    {
+        use tether_tunnel::mux::Link;
+        futures::future::poll_fn(|cx| ws.poll_ready(cx)).await.unwrap();
+        ws.start_send(bytes::BytesMut::from(&garbage[..])).unwrap();
+        futures::future::poll_fn(|cx| ws.poll_flush(cx)).await.unwrap();
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(Ok(_)) = futures::future::poll_fn(|cx| ws.poll_recv(cx)).await {}
+        })
+        .await;
+        assert!(ended.is_ok(), "the gateway must close a session that sends garbage");
+    }
 
     // Garbage on the agent port outside any WebSocket.
     let mut raw = tokio::net::TcpStream::connect(deployment.agent_addr).await.unwrap();

@@ -14,6 +14,7 @@ use rustls_pki_types::ServerName;
 use tether_tunnel::mux::{self, MuxSettings, Role};
 use tether_tunnel::transport::Transport;
 use tether_tunnel::ws::{WsByteStream, WsSettings};
+use tether_tunnel::ws_link::{WsLink, WsRole};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -98,25 +99,42 @@ impl Stack {
     }
 }
 
-/// One end of a connected pair: Tether's multiplexer runs on a WebSocket link directly (as in the
-/// tunnel) and on plain TCP through [`mux::ByteLink`]; the others see a byte stream.
+/// One end of a connected pair: plain TCP, or TLS on which a WebSocket runs. Tether's
+/// multiplexer runs on the tunnel's own WebSocket link ([`WsLink`]); the other multiplexers see
+/// a WebSocket byte stream (tungstenite, [`WsByteStream`]).
 enum End {
     Tcp(TcpStream),
-    Ws(Box<WsByteStream<Transport>>),
+    Tls(Box<Transport>, WsRole),
 }
 
 impl End {
-    fn into_io(self) -> BoxIo {
+    async fn into_io(self) -> BoxIo {
         match self {
             Self::Tcp(tcp) => Box::new(tcp),
-            Self::Ws(ws) => ws,
+            Self::Tls(tls, role) => {
+                let settings = WsSettings::default();
+                let role = match role {
+                    WsRole::Client => tokio_tungstenite::tungstenite::protocol::Role::Client,
+                    WsRole::Server => tokio_tungstenite::tungstenite::protocol::Role::Server,
+                };
+                let ws = tokio_tungstenite::WebSocketStream::from_raw_socket(
+                    *tls,
+                    role,
+                    Some(settings.tungstenite_config()),
+                )
+                .await;
+                Box::new(WsByteStream::new(ws, &settings))
+            }
         }
     }
 
     fn start_mux(self, role: Role, settings: &MuxSettings) -> (mux::Session, mux::Incoming, mux::Driver) {
         match self {
             Self::Tcp(tcp) => mux::start(mux::ByteLink::new(tcp), role, settings),
-            Self::Ws(ws) => mux::start(*ws, role, settings),
+            Self::Tls(tls, ws_role) => {
+                let link = WsLink::new(*tls, ws_role, WsSettings::default().link_settings(), bytes::BytesMut::new());
+                mux::start(link, role, settings)
+            }
         }
     }
 }
@@ -205,36 +223,25 @@ impl Tls {
             return Ok((End::Tcp(client), End::Tcp(server)));
         }
         anyhow::ensure!(transport == "wss", "--transport {transport}: use wss or tcp");
-        let (client, server) = self.wss_pair().await?;
-        Ok((End::Ws(Box::new(client)), End::Ws(Box::new(server))))
+        let (client, server) = self.tls_pair().await?;
+        Ok((End::Tls(Box::new(client), WsRole::Client), End::Tls(Box::new(server), WsRole::Server)))
     }
 
-    /// A WebSocket byte stream over TLS over loopback TCP: (client end, server end).
-    async fn wss_pair(&self) -> anyhow::Result<(WsByteStream<Transport>, WsByteStream<Transport>)> {
+    /// TLS over loopback TCP: (client end, server end). The WebSocket runs on it as if just
+    /// upgraded.
+    async fn tls_pair(&self) -> anyhow::Result<(Transport, Transport)> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let settings = WsSettings::default();
-        let config = settings.tungstenite_config();
         let acceptor = self.acceptor.clone();
         let server = tokio::spawn(async move {
             let (tcp, _) = listener.accept().await?;
             let _ = tcp.set_nodelay(true);
-            let tls = acceptor.accept(tcp).await?;
-            let ws =
-                tokio_tungstenite::accept_async_with_config(Transport::ServerTls(Box::new(tls)), Some(config)).await?;
-            anyhow::Ok(ws)
+            anyhow::Ok(Transport::ServerTls(Box::new(acceptor.accept(tcp).await?)))
         });
         let tcp = TcpStream::connect(addr).await?;
         let _ = tcp.set_nodelay(true);
         let tls = self.connector.connect(ServerName::try_from("localhost")?, tcp).await?;
-        let (client, _) = tokio_tungstenite::client_async_with_config(
-            "wss://localhost/v1/tunnel",
-            Transport::ClientTls(Box::new(tls)),
-            Some(config),
-        )
-        .await?;
-        let server = server.await??;
-        Ok((WsByteStream::new(client, &settings), WsByteStream::new(server, &settings)))
+        Ok((Transport::ClientTls(Box::new(tls)), server.await??))
     }
 }
 
@@ -342,15 +349,15 @@ async fn measure(
         }
         Stack::WsOnly => {
             let (client, server) = tls.pair(transport).await?;
-            background.push(tokio::spawn(serve_download(server.into_io())));
-            download(vec![client.into_io()], duration, progress, &label).await?
+            background.push(tokio::spawn(serve_download(server.into_io().await)));
+            download(vec![client.into_io().await], duration, progress, &label).await?
         }
         Stack::YamuxCrate => {
             let (client, server) = tls.pair(transport).await?;
-            background.push(tokio::spawn(run_yamux_crate(server.into_io(), yamux::Mode::Server, None)));
+            background.push(tokio::spawn(run_yamux_crate(server.into_io().await, yamux::Mode::Server, None)));
             let (reply, opened) = tokio::sync::oneshot::channel();
             background.push(tokio::spawn(run_yamux_crate(
-                client.into_io(),
+                client.into_io().await,
                 yamux::Mode::Client,
                 Some((streams, reply)),
             )));
@@ -389,13 +396,13 @@ async fn measure(
                 enable_keepalive: false,
                 ..tokio_yamux::Config::default()
             };
-            let mut server_session = tokio_yamux::Session::new_server(server.into_io(), config);
+            let mut server_session = tokio_yamux::Session::new_server(server.into_io().await, config);
             background.push(tokio::spawn(async move {
                 while let Some(Ok(stream)) = server_session.next().await {
                     tokio::spawn(serve_download(stream));
                 }
             }));
-            let mut client_session = tokio_yamux::Session::new_client(client.into_io(), config);
+            let mut client_session = tokio_yamux::Session::new_client(client.into_io().await, config);
             let mut control = client_session.control();
             background.push(tokio::spawn(async move { while client_session.next().await.is_some() {} }));
             let mut opened = Vec::new();

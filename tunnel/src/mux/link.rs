@@ -15,8 +15,9 @@ pub trait Link: Send + Unpin + 'static {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>>;
     /// Ready when the link can take another batch.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
-    /// Queues a batch; call only after [`poll_ready`](Self::poll_ready) was ready.
-    fn start_send(&mut self, batch: Bytes) -> io::Result<()>;
+    /// Queues a batch; call only after [`poll_ready`](Self::poll_ready) was ready. The batch is
+    /// the link's to change (a WebSocket client masks it in place).
+    fn start_send(&mut self, batch: BytesMut) -> io::Result<()>;
     /// Pushes queued batches out.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     /// Flushes and closes the link.
@@ -67,9 +68,9 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for ByteLink<T> {
         self.poll_write_pending(cx)
     }
 
-    fn start_send(&mut self, batch: Bytes) -> io::Result<()> {
+    fn start_send(&mut self, batch: BytesMut) -> io::Result<()> {
         debug_assert!(self.write.is_empty());
-        self.write = batch;
+        self.write = batch.freeze();
         Ok(())
     }
 

@@ -595,7 +595,7 @@ struct SessionDriver<L> {
     /// Dropped when the session stops taking new streams.
     accept: Option<mpsc::Sender<Box<MuxStream>>>,
     /// A batch the link has not taken yet.
-    pending: Option<Bytes>,
+    pending: Option<BytesMut>,
     needs_flush: bool,
     closing: bool,
     /// A closing session gives up on a peer that does not take its last frames by then.
@@ -669,7 +669,7 @@ impl<L: Link> SessionDriver<L> {
                         (None, Vec::new())
                     } else {
                         let take = inner.out.len().min(MAX_BATCH);
-                        let batch = inner.out.split_to(take).freeze();
+                        let batch = inner.out.split_to(take);
                         let waiters = if inner.out.len() < OUT_HIGH_WATER {
                             std::mem::take(&mut inner.room_waiters)
                         } else {
