@@ -11,7 +11,7 @@ use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::write_frame;
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{ErrorCode, MAX_STREAM_FRAME, StreamResult};
-use tether_tunnel::splice::{Direction, splice};
+use tether_tunnel::splice::{Direction, splice_mux};
 use tokio::net::TcpStream;
 
 use crate::config::ForwardTarget;
@@ -66,9 +66,9 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
     open.increment(1.0);
     let to_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label, "direction" => "from_controlplane");
-    let copied = splice(&mut stream, &mut upstream, |direction, n| match direction {
-        Direction::AToB => to_cp.increment(n as u64),
-        Direction::BToA => from_cp.increment(n as u64),
+    let copied = splice_mux(&mut upstream, &mut stream, |direction, n| match direction {
+        Direction::AToB => from_cp.increment(n as u64),
+        Direction::BToA => to_cp.increment(n as u64),
     })
     .await;
     open.decrement(1.0);

@@ -13,12 +13,12 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tether_tunnel::splice::splice;
+use tether_tunnel::splice::{splice, splice_mux};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::RoutingStrategy;
-use crate::dial::Dialer;
+use crate::dial::{DialedStream, Dialer};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::PEER_DIALS;
 use crate::peers::client::{DIAL_ERROR_HEADER, REPLICA_HEADER, STRATEGY_HEADER, TENANT_HEADER};
@@ -151,7 +151,12 @@ async fn forwarded_dial(req: Request<Incoming>, endpoint: &PeerEndpoint) -> Http
         let Ok(upgraded) = hyper::upgrade::on(req).await else { return };
         let mut upgraded = TokioIo::new(upgraded);
         tokio::select! {
-            _ = splice(&mut upgraded, &mut dialed.stream, |_, _| {}) => {}
+            _ = async {
+                match &mut dialed.stream {
+                    DialedStream::Local(stream) => splice_mux(&mut upgraded, stream, |_, _| {}).await,
+                    peer => splice(&mut upgraded, peer, |_, _| {}).await,
+                }
+            } => {}
             () = hard_stop.cancelled() => {}
         }
     });

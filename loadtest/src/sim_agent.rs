@@ -315,7 +315,7 @@ async fn serve_dial(mut stream: MuxStream, allowed: SocketAddr) {
     if write_frame(&mut stream, &StreamResult::ok(), MAX_STREAM_FRAME).await.is_err() {
         return;
     }
-    let _ = tether_tunnel::splice::splice(&mut stream, &mut tcp, |_, _| {}).await;
+    let _ = tether_tunnel::splice::splice_mux(&mut tcp, &mut stream, |_, _| {}).await;
 }
 
 /// What happened to a reconnecting simulated agent.

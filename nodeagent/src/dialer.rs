@@ -9,7 +9,7 @@ use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::{read_raw_frame, write_frame};
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{self, DialRequest, ErrorCode, MAX_STREAM_FRAME, StreamOpen, StreamResult};
-use tether_tunnel::splice::{Direction, splice};
+use tether_tunnel::splice::{Direction, splice_mux};
 use tokio::net::TcpStream;
 
 use crate::allowlist::AllowList;
@@ -84,9 +84,9 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
     let _open = OpenStream::new();
     let to_target = metrics::counter!(BYTES, "direction" => "to_target");
     let from_target = metrics::counter!(BYTES, "direction" => "from_target");
-    let copied = splice(&mut stream, &mut target, |direction, n| match direction {
-        Direction::AToB => to_target.increment(n as u64),
-        Direction::BToA => from_target.increment(n as u64),
+    let copied = splice_mux(&mut target, &mut stream, |direction, n| match direction {
+        Direction::AToB => from_target.increment(n as u64),
+        Direction::BToA => to_target.increment(n as u64),
     })
     .await;
     if let Err(e) = copied {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::protocol::{ForwardRequest, MAX_STREAM_FRAME, StreamOpen, StreamResult};
-use tether_tunnel::splice::{Direction, splice};
+use tether_tunnel::splice::{Direction, splice_mux};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -121,7 +121,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     open.increment(1.0);
     let to_cp = metrics::counter!(FORWARD_BYTES, "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "target" => label, "direction" => "from_controlplane");
-    let copied = splice(&mut client, &mut stream, |direction, n| match direction {
+    let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
         Direction::AToB => to_cp.increment(n as u64),
         Direction::BToA => from_cp.increment(n as u64),
     })

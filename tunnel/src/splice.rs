@@ -12,7 +12,14 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
+use std::collections::VecDeque;
+use std::io::IoSlice;
+
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::mux::MuxStream;
+use crate::mux::link::{MAX_SLICES, advance_segments};
 
 /// Bytes read per call; matches the multiplexer's largest data frame.
 const SCRATCH_SIZE: usize = 256 * 1024;
@@ -202,6 +209,181 @@ impl Pump {
     }
 }
 
+/// Like [`splice`], between any stream and a multiplexer stream, with no copy in user space: bytes
+/// read from `a` land in a fresh buffer that becomes a frame body as it is, and bytes received on
+/// `mux` are written to `a` straight from the message they arrived in (several per vectored write).
+/// An idle splice holds no buffer either way.
+pub async fn splice_mux<A, F>(a: &mut A, mux: &mut MuxStream, mut on_bytes: F) -> Result<SpliceStats, SpliceError>
+where
+    A: AsyncRead + AsyncWrite + Unpin + ?Sized,
+    F: FnMut(Direction, usize),
+{
+    let mut into_mux = IntoMux::default();
+    let mut from_mux = FromMux::default();
+    poll_fn(|cx| {
+        let forward = into_mux
+            .poll(cx, &mut *a, &mut *mux, &mut |n| on_bytes(Direction::AToB, n))
+            .map_err(|e| SpliceError { direction: Direction::AToB, error: e })?;
+        let backward = from_mux
+            .poll(cx, &mut *mux, &mut *a, &mut |n| on_bytes(Direction::BToA, n))
+            .map_err(|e| SpliceError { direction: Direction::BToA, error: e })?;
+        if forward.is_ready() && backward.is_ready() {
+            Poll::Ready(Ok(SpliceStats { a_to_b: into_mux.total, b_to_a: from_mux.total }))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// First read size into a multiplexer stream; doubles while reads fill it.
+const MIN_OWNED_READ: usize = 16 * 1024;
+/// Largest read into a multiplexer stream (a few frames' worth).
+const MAX_OWNED_READ: usize = 256 * 1024;
+/// Received bytes gathered into one write toward the stream.
+const MAX_GATHER: usize = 256 * 1024;
+
+/// Stream -> multiplexer: reads into buffers handed over to the multiplexer.
+struct IntoMux {
+    /// Read, not yet taken by the multiplexer; the spare capacity takes the next read.
+    buf: BytesMut,
+    read_size: usize,
+    read_done: bool,
+    shut_down: bool,
+    total: u64,
+}
+
+impl Default for IntoMux {
+    fn default() -> Self {
+        Self { buf: BytesMut::new(), read_size: MIN_OWNED_READ, read_done: false, shut_down: false, total: 0 }
+    }
+}
+
+impl IntoMux {
+    fn poll<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        reader: &mut R,
+        mux: &mut MuxStream,
+        on_bytes: &mut dyn FnMut(usize),
+    ) -> Poll<io::Result<()>>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        if self.shut_down {
+            return Poll::Ready(Ok(()));
+        }
+        for _ in 0..READS_PER_POLL {
+            while !self.buf.is_empty() {
+                ready!(mux.poll_send_owned(cx, &mut self.buf))?;
+            }
+            if self.read_done {
+                mux.poll_finish();
+                self.shut_down = true;
+                return Poll::Ready(Ok(()));
+            }
+            if self.buf.capacity() < MIN_OWNED_READ / 4 {
+                self.buf = BytesMut::with_capacity(self.read_size);
+            }
+            let spare = self.buf.capacity();
+            match tokio_util::io::poll_read_buf(Pin::new(&mut *reader), cx, &mut self.buf) {
+                Poll::Pending => {
+                    // Idle: hold no buffer.
+                    self.buf = BytesMut::new();
+                    return Poll::Pending;
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(0)) => self.read_done = true,
+                Poll::Ready(Ok(n)) => {
+                    on_bytes(n);
+                    self.total += n as u64;
+                    if n == spare {
+                        self.read_size = (self.read_size * 2).min(MAX_OWNED_READ);
+                    }
+                }
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+/// Multiplexer -> stream: writes received chunks as they are.
+#[derive(Default)]
+struct FromMux {
+    chunks: VecDeque<Bytes>,
+    read_done: bool,
+    shut_down: bool,
+    needs_flush: bool,
+    total: u64,
+}
+
+impl FromMux {
+    fn poll<W>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mux: &mut MuxStream,
+        writer: &mut W,
+        on_bytes: &mut dyn FnMut(usize),
+    ) -> Poll<io::Result<()>>
+    where
+        W: AsyncWrite + Unpin + ?Sized,
+    {
+        if self.shut_down {
+            return Poll::Ready(Ok(()));
+        }
+        for _ in 0..READS_PER_POLL {
+            // Gather what has arrived, then write it in one go.
+            let mut gathered: usize = self.chunks.iter().map(Bytes::len).sum();
+            let mut waiting = false;
+            while !self.read_done && gathered < MAX_GATHER && self.chunks.len() < MAX_SLICES {
+                match mux.poll_recv_chunk(cx, MAX_GATHER - gathered) {
+                    Poll::Ready(Ok(Some(chunk))) => {
+                        on_bytes(chunk.len());
+                        self.total += chunk.len() as u64;
+                        gathered += chunk.len();
+                        self.chunks.push_back(chunk);
+                    }
+                    Poll::Ready(Ok(None)) => self.read_done = true,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {
+                        waiting = true;
+                        break;
+                    }
+                }
+            }
+            while !self.chunks.is_empty() {
+                let slices: Vec<IoSlice<'_>> = self.chunks.iter().map(|c| IoSlice::new(c)).collect();
+                match Pin::new(&mut *writer).poll_write_vectored(cx, &slices) {
+                    Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Poll::Ready(Ok(n)) => {
+                        advance_segments(&mut self.chunks, n);
+                        self.needs_flush = true;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            if self.read_done {
+                ready!(Pin::new(&mut *writer).poll_shutdown(cx))?;
+                self.shut_down = true;
+                return Poll::Ready(Ok(()));
+            }
+            if waiting {
+                if self.needs_flush
+                    && let Poll::Ready(result) = Pin::new(&mut *writer).poll_flush(cx)
+                {
+                    result?;
+                    self.needs_flush = false;
+                }
+                return Poll::Pending;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,5 +434,48 @@ mod tests {
         client.write_all(b"data").await.unwrap();
         let err = splice(&mut a, &mut b, |_, _| {}).await.unwrap_err();
         assert_eq!(err.direction, Direction::AToB);
+    }
+
+    /// Both ends of a tunnelled connection spliced onto multiplexer streams: everything arrives
+    /// both ways, in order, half-close included, and the counts match.
+    #[tokio::test]
+    async fn splices_onto_multiplexer_streams_both_ways_with_half_close() {
+        use crate::mux::{self, ByteLink, MuxSettings, Role};
+        let (link_a, link_b) = tokio::io::duplex(64 * 1024);
+        let settings = MuxSettings::default();
+        let (client, _client_in, client_driver) = mux::start(ByteLink::new(link_a), Role::Client, &settings);
+        let (_server, mut server_in, server_driver) = mux::start(ByteLink::new(link_b), Role::Server, &settings);
+        tokio::spawn(client_driver);
+        tokio::spawn(server_driver);
+
+        let (mut app, mut entry) = tokio::io::duplex(8 * 1024);
+        let (mut exit, mut target) = tokio::io::duplex(8 * 1024);
+        let mut opened = client.open().await.unwrap();
+        let entry_side = tokio::spawn(async move { splice_mux(&mut entry, &mut opened, |_, _| {}).await.unwrap() });
+        // Uneven sizes, so reads, frames and chunks never line up.
+        let request: Vec<u8> = (0..1_234_567u32).map(|i| (i % 251) as u8).collect();
+        let response: Vec<u8> = (0..3_000_001u32).map(|i| (i % 241) as u8).collect();
+        let writer = {
+            let request = request.clone();
+            tokio::spawn(async move {
+                app.write_all(&request).await.unwrap();
+                app.shutdown().await.unwrap();
+                let mut got = Vec::new();
+                app.read_to_end(&mut got).await.unwrap();
+                got
+            })
+        };
+        let mut accepted = server_in.accept().await.unwrap();
+        let exit_side = tokio::spawn(async move { splice_mux(&mut exit, &mut accepted, |_, _| {}).await.unwrap() });
+        let mut got = Vec::new();
+        target.read_to_end(&mut got).await.unwrap();
+        assert!(got == request, "the request arrives whole and in order");
+        target.write_all(&response).await.unwrap();
+        target.shutdown().await.unwrap();
+        assert!(writer.await.unwrap() == response, "the response arrives after the client shut down writing");
+        let entry_stats = entry_side.await.unwrap();
+        let exit_stats = exit_side.await.unwrap();
+        assert_eq!(entry_stats, SpliceStats { a_to_b: request.len() as u64, b_to_a: response.len() as u64 });
+        assert_eq!(exit_stats, SpliceStats { a_to_b: response.len() as u64, b_to_a: request.len() as u64 });
     }
 }

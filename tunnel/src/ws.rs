@@ -337,8 +337,8 @@ where
         Pin::new(&mut self.ws).poll_ready(cx).map_err(ws_to_io)
     }
 
-    fn start_send(&mut self, batch: BytesMut) -> io::Result<()> {
-        Pin::new(&mut self.ws).start_send(Message::Binary(batch.freeze())).map_err(ws_to_io)
+    fn start_send(&mut self, batch: crate::mux::Batch) -> io::Result<()> {
+        Pin::new(&mut self.ws).start_send(Message::Binary(batch.concat().freeze())).map_err(ws_to_io)
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -21,7 +21,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
-use crate::mux::Link;
+use crate::mux::link::{MAX_SLICES, advance_segments};
+use crate::mux::{Batch, Link};
 use crate::ws::KeepaliveSettings;
 
 /// Which side of the WebSocket this is: clients mask what they send, servers do not.
@@ -85,11 +86,11 @@ struct OutFrame {
     header: [u8; 14],
     header_len: usize,
     header_sent: usize,
-    payload: Bytes,
+    payload: VecDeque<Bytes>,
 }
 
 impl OutFrame {
-    fn new(opcode: u8, mut payload: BytesMut, mask: Option<[u8; 4]>) -> Self {
+    fn new(opcode: u8, mut payload: Batch, mask: Option<[u8; 4]>) -> Self {
         let mut header = [0u8; 14];
         header[0] = 0x80 | opcode;
         let len = payload.len();
@@ -109,18 +110,24 @@ impl OutFrame {
             header[1] |= 0x80;
             header[at..at + 4].copy_from_slice(&key);
             at += 4;
-            apply_mask(&mut payload, key, 0);
+            let mut offset = 0;
+            for segment in payload.segments_mut() {
+                apply_mask(segment, key, offset);
+                offset += segment.len();
+            }
         }
-        Self { header, header_len: at, header_sent: 0, payload: payload.freeze() }
+        let payload = payload.into_segments().into_iter().map(BytesMut::freeze).collect();
+        Self { header, header_len: at, header_sent: 0, payload }
     }
 
     fn is_done(&self) -> bool {
-        self.header_sent == self.header_len && self.payload.is_empty()
+        self.header_sent == self.header_len && self.payload.iter().all(Bytes::is_empty)
     }
 }
 
 /// XORs `data` with `key`, as if `data` started `offset` bytes into the masked payload. Works on
-/// 64-byte blocks against a repeated key, which the compiler turns into vector instructions.
+/// 64-byte blocks (fixed-size arrays, so the compiler emits vector instructions without bounds
+/// checks) against a repeated key.
 pub fn apply_mask(data: &mut [u8], key: [u8; 4], offset: usize) {
     let mut key = key;
     key.rotate_left(offset % 4);
@@ -130,8 +137,10 @@ pub fn apply_mask(data: &mut [u8], key: [u8; 4], offset: usize) {
     }
     let mut chunks = data.chunks_exact_mut(64);
     for chunk in &mut chunks {
-        for (byte, mask) in chunk.iter_mut().zip(block.iter()) {
-            *byte ^= *mask;
+        if let Ok(chunk) = <&mut [u8; 64]>::try_from(chunk) {
+            for (byte, mask) in chunk.iter_mut().zip(block) {
+                *byte ^= mask;
+            }
         }
     }
     // The rest starts at a multiple of 64, so the block lines up with it from its start.
@@ -219,7 +228,7 @@ where
 
     fn queue_control(&mut self, opcode: u8, payload: BytesMut) {
         let mask = self.mask_key();
-        self.control_out.push_back(OutFrame::new(opcode, payload, mask));
+        self.control_out.push_back(OutFrame::new(opcode, Batch::from(payload), mask));
     }
 
     /// Writes queued frames: a data frame in progress first (frames never interleave), then
@@ -232,15 +241,24 @@ where
             let frame = if use_control { self.control_out.front_mut() } else { self.out.as_mut() };
             let Some(frame) = frame else { return Poll::Ready(Ok(())) };
             let header = &frame.header[frame.header_sent..frame.header_len];
-            let slices = [IoSlice::new(header), IoSlice::new(&frame.payload)];
-            let mut n = ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices))?;
+            let mut slices = [IoSlice::new(&[]); MAX_SLICES];
+            let mut count = 0;
+            if !header.is_empty() {
+                slices[0] = IoSlice::new(header);
+                count = 1;
+            }
+            for segment in frame.payload.iter().take(MAX_SLICES - count) {
+                slices[count] = IoSlice::new(segment);
+                count += 1;
+            }
+            let mut n = ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices[..count]))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
             let from_header = n.min(frame.header_len - frame.header_sent);
             frame.header_sent += from_header;
             n -= from_header;
-            frame.payload.advance(n);
+            advance_segments(&mut frame.payload, n);
             if frame.is_done() {
                 if use_control {
                     self.control_out.pop_front();
@@ -390,6 +408,26 @@ where
                     Err(e) => return Poll::Ready(Some(Err(e))),
                 }
             }
+            if let Some(frame) = self.frame {
+                let data = frame.opcode == OP_BINARY || frame.opcode == OP_CONTINUATION;
+                // Gather more of a data frame's payload while the transport has it at once (TLS
+                // hands over one record per read), so the multiplexer gets large chunks: one of its
+                // frames that straddles two chunks costs a copy.
+                let spare = self.read.capacity() - self.read.len();
+                if data && (self.read.len() as u64) < frame.left && spare > 0 {
+                    match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read) {
+                        Poll::Ready(Ok(n)) if n > 0 => {
+                            if n >= spare {
+                                self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
+                            }
+                            continue;
+                        }
+                        Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                        // End of stream (seen again by the next read) or nothing more yet.
+                        Poll::Ready(Ok(_)) | Poll::Pending => {}
+                    }
+                }
+            }
             if let Some(frame) = self.frame.as_mut() {
                 let take = usize::try_from(frame.left).unwrap_or(usize::MAX).min(self.read.len());
                 let data = frame.opcode == OP_BINARY || frame.opcode == OP_CONTINUATION;
@@ -468,7 +506,7 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn start_send(&mut self, batch: BytesMut) -> io::Result<()> {
+    fn start_send(&mut self, batch: Batch) -> io::Result<()> {
         if self.close_sent {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "websocket closed"));
         }
@@ -526,9 +564,20 @@ mod tests {
         futures::future::poll_fn(|cx| link.poll_recv(cx)).await
     }
 
+    /// Sends `data` as one batch of uneven segments, so masking has to carry its phase across them.
     async fn send<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(link: &mut WsLink<S>, data: &[u8]) {
         futures::future::poll_fn(|cx| link.poll_ready(cx)).await.unwrap();
-        link.start_send(BytesMut::from(data)).unwrap();
+        let mut batch = Batch::new();
+        let mut rest = data;
+        for size in [3usize, 61, 1000, 70_001].into_iter().cycle() {
+            if rest.is_empty() {
+                break;
+            }
+            let (segment, after) = rest.split_at(size.min(rest.len()));
+            batch.push(BytesMut::from(segment));
+            rest = after;
+        }
+        link.start_send(batch).unwrap();
         futures::future::poll_fn(|cx| link.poll_flush(cx)).await.unwrap();
     }
 

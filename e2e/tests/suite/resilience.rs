@@ -105,7 +105,7 @@ async fn garbage_closes_one_session_never_the_process() {
     {
         use tether_tunnel::mux::Link;
         futures::future::poll_fn(|cx| ws.poll_ready(cx)).await.unwrap();
-        ws.start_send(bytes::BytesMut::from(&garbage[..])).unwrap();
+        ws.start_send(bytes::BytesMut::from(&garbage[..]).into()).unwrap();
         futures::future::poll_fn(|cx| ws.poll_flush(cx)).await.unwrap();
         let ended = tokio::time::timeout(Duration::from_secs(10), async {
             while let Some(Ok(_)) = futures::future::poll_fn(|cx| ws.poll_recv(cx)).await {}

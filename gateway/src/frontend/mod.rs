@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tether_tunnel::splice::{Direction, splice};
+use tether_tunnel::splice::{Direction, splice, splice_mux};
 use tether_tunnel::tls::{self, ReloadableCert};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::certs::CertRegistry;
 use crate::config::TenantConfig;
-use crate::dial::Dialer;
+use crate::dial::{DialedStream, Dialer};
 use crate::error::SetupError;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::BYTES;
@@ -360,10 +360,16 @@ where
     let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");
     let from_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "from_agent");
     to_agent.increment(request.early_data.len() as u64);
-    let copy = splice(&mut client, &mut dialed.stream, |direction, n| match direction {
+    let count = |direction, n: usize| match direction {
         Direction::AToB => to_agent.increment(n as u64),
         Direction::BToA => from_agent.increment(n as u64),
-    });
+    };
+    let copy = async {
+        match &mut dialed.stream {
+            DialedStream::Local(stream) => splice_mux(&mut client, stream, count).await,
+            peer => splice(&mut client, peer, count).await,
+        }
+    };
     tokio::select! {
         result = copy => {
             if let Err(e) = result {

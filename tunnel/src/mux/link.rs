@@ -2,7 +2,8 @@
 //! batches. [`crate::ws::WsByteStream`] is the production link (a chunk is a WebSocket message);
 //! [`ByteLink`] adapts any byte stream (tests, in-memory pipes, plain TCP).
 
-use std::io;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -17,11 +18,92 @@ pub trait Link: Send + Unpin + 'static {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     /// Queues a batch; call only after [`poll_ready`](Self::poll_ready) was ready. The batch is
     /// the link's to change (a WebSocket client masks it in place).
-    fn start_send(&mut self, batch: BytesMut) -> io::Result<()>;
+    fn start_send(&mut self, batch: Batch) -> io::Result<()>;
     /// Pushes queued batches out.
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     /// Flushes and closes the link.
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+}
+
+/// Queued frames handed to a link at once: segments in order, as the session's streams queued them.
+/// Large data bodies stay in the buffers they were read into (a splice reads a socket straight into
+/// one); small frames share segments. The link sends them as one message (one vectored write).
+#[derive(Debug, Default)]
+pub struct Batch {
+    segments: VecDeque<BytesMut>,
+    len: usize,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a segment (empty ones are dropped).
+    pub fn push(&mut self, segment: BytesMut) {
+        if !segment.is_empty() {
+            self.len += segment.len();
+            self.segments.push_back(segment);
+        }
+    }
+
+    /// Removes and returns the first segment.
+    pub fn pop(&mut self) -> Option<BytesMut> {
+        let segment = self.segments.pop_front()?;
+        self.len -= segment.len();
+        Some(segment)
+    }
+
+    /// The last segment, to append small frames to when it has room.
+    pub(crate) fn back_mut(&mut self) -> Option<&mut BytesMut> {
+        self.segments.back_mut()
+    }
+
+    /// Records `n` bytes appended to the last segment through [`back_mut`](Self::back_mut).
+    pub(crate) fn grew(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The segments, in order.
+    pub fn segments_mut(&mut self) -> impl Iterator<Item = &mut BytesMut> {
+        self.segments.iter_mut()
+    }
+
+    /// The segments, in order, to send.
+    pub fn into_segments(self) -> VecDeque<BytesMut> {
+        self.segments
+    }
+
+    /// All bytes in one buffer (copies unless there is a single segment).
+    pub fn concat(mut self) -> BytesMut {
+        if self.segments.len() == 1 {
+            return self.segments.pop_front().unwrap_or_default();
+        }
+        let mut all = BytesMut::with_capacity(self.len);
+        for segment in &self.segments {
+            all.extend_from_slice(segment);
+        }
+        all
+    }
+}
+
+impl From<BytesMut> for Batch {
+    fn from(segment: BytesMut) -> Self {
+        let mut batch = Self::new();
+        batch.push(segment);
+        batch
+    }
 }
 
 /// Bytes asked from a byte stream per read.
@@ -31,22 +113,23 @@ const READ_SIZE: usize = 64 * 1024;
 pub struct ByteLink<T> {
     io: T,
     read: BytesMut,
-    write: Bytes,
+    write: VecDeque<Bytes>,
 }
 
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> ByteLink<T> {
     /// Wraps `io`.
     pub fn new(io: T) -> Self {
-        Self { io, read: BytesMut::new(), write: Bytes::new() }
+        Self { io, read: BytesMut::new(), write: VecDeque::new() }
     }
 
     fn poll_write_pending(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while !self.write.is_empty() {
-            let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.write))?;
+            let slices: Vec<IoSlice<'_>> = self.write.iter().take(MAX_SLICES).map(|s| IoSlice::new(s)).collect();
+            let n = ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
-            self.write.advance(n);
+            advance_segments(&mut self.write, n);
         }
         Poll::Ready(Ok(()))
     }
@@ -68,9 +151,9 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for ByteLink<T> {
         self.poll_write_pending(cx)
     }
 
-    fn start_send(&mut self, batch: BytesMut) -> io::Result<()> {
+    fn start_send(&mut self, batch: Batch) -> io::Result<()> {
         debug_assert!(self.write.is_empty());
-        self.write = batch.freeze();
+        self.write = batch.into_segments().into_iter().map(BytesMut::freeze).collect();
         Ok(())
     }
 
@@ -82,5 +165,24 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for ByteLink<T> {
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         ready!(self.poll_flush(cx))?;
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Most slices handed to one vectored write.
+pub(crate) const MAX_SLICES: usize = 64;
+
+/// Drops the first `n` bytes of `segments` (what a vectored write took).
+pub(crate) fn advance_segments(segments: &mut VecDeque<Bytes>, mut n: usize) {
+    while n > 0 {
+        let Some(front) = segments.front_mut() else { return };
+        let k = n.min(front.len());
+        front.advance(k);
+        n -= k;
+        if front.is_empty() {
+            segments.pop_front();
+        }
+    }
+    while segments.front().is_some_and(Bytes::is_empty) {
+        segments.pop_front();
     }
 }

@@ -42,7 +42,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use frame::{DEFAULT_WINDOW, Flags, Frame, FrameReader, GoAway, Header, Kind, MAX_BODY, put_frame};
-pub use link::{ByteLink, Link};
+pub use link::{Batch, ByteLink, Link};
 
 /// Which end of the session this is. The agent is the client (odd stream ids), the gateway the
 /// server (even ids).
@@ -82,6 +82,10 @@ pub const OUT_HIGH_WATER: usize = 512 * 1024;
 pub const OUT_HARD_LIMIT: usize = 8 * 1024 * 1024;
 /// Largest batch handed to the link at once (peers accept WebSocket messages up to 4 MiB).
 const MAX_BATCH: usize = 1024 * 1024;
+/// Size of a new output segment for small frames.
+const SEGMENT_SIZE: usize = 16 * 1024;
+/// Bodies handed over from this size on stay in their own buffer; smaller ones are copied.
+const OWNED_BODY_MIN: usize = 2048;
 /// Rounds of reading and writing before the driver yields to other tasks.
 const ROUNDS_PER_POLL: usize = 16;
 
@@ -194,7 +198,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
                 Role::Client => 1,
                 Role::Server => 2,
             },
-            out: BytesMut::new(),
+            out: Batch::new(),
             room_waiters: Vec::new(),
             growth_left: settings.window_growth,
             ended: false,
@@ -265,7 +269,7 @@ struct Inner {
     streams: HashMap<u32, Arc<StreamCell>>,
     next_id: u32,
     /// Frames queued for the peer.
-    out: BytesMut,
+    out: Batch,
     /// Streams whose writers wait for room in `out`.
     room_waiters: Vec<Arc<StreamCell>>,
     /// Window growth left in the session's budget.
@@ -275,12 +279,32 @@ struct Inner {
 }
 
 impl Inner {
+    /// Queues a frame, copying its body. Small frames share segments: appended to the last one
+    /// while it has room (never moved to grow it), or to a new one.
     fn queue(&mut self, header: Header, body: &[u8]) {
         let needed = frame::HEADER_LEN + body.len();
-        if self.out.capacity() - self.out.len() < needed {
-            self.out.reserve(needed.max(64 * 1024));
+        match self.out.back_mut() {
+            Some(last) if last.capacity() - last.len() >= needed => {
+                put_frame(last, header, body);
+                self.out.grew(needed);
+            }
+            _ => {
+                let mut segment = BytesMut::with_capacity(needed.max(SEGMENT_SIZE));
+                put_frame(&mut segment, header, body);
+                self.out.push(segment);
+            }
         }
-        put_frame(&mut self.out, header, body);
+    }
+
+    /// Queues a data frame whose body is handed over: a large body becomes a segment of its own,
+    /// so it is never copied on its way to the link.
+    fn queue_owned(&mut self, header: Header, body: BytesMut) {
+        if body.len() < OWNED_BODY_MIN {
+            self.queue(header, &body);
+            return;
+        }
+        self.queue(header, &[]);
+        self.out.push(body);
     }
 }
 
@@ -293,7 +317,7 @@ impl Drop for EndGuard {
         let (streams, waiters) = {
             let mut inner = shared.lock();
             inner.ended = true;
-            inner.out = BytesMut::new();
+            inner.out = Batch::new();
             (std::mem::take(&mut inner.streams), std::mem::take(&mut inner.room_waiters))
         };
         for cell in streams.values().chain(waiters.iter()) {
@@ -521,9 +545,16 @@ impl AsyncRead for MuxStream {
     }
 }
 
-impl AsyncWrite for MuxStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        if buf.is_empty() {
+impl MuxStream {
+    /// Sends up to `len` bytes, once credit and room allow: `queue` puts a frame of the length it
+    /// is given (at most `len`) into the output. Answers the length sent.
+    fn poll_send_with(
+        &self,
+        cx: &mut Context<'_>,
+        len: usize,
+        queue: impl FnOnce(&mut Inner, Header, usize),
+    ) -> Poll<io::Result<usize>> {
+        if len == 0 {
             return Poll::Ready(Ok(0));
         }
         let session = &self.session;
@@ -550,26 +581,65 @@ impl AsyncWrite for MuxStream {
             st.writer = Some(cx.waker().clone());
             return Poll::Pending;
         }
-        let k = buf.len().min(st.send_credit as usize).min(session.split_send_size);
+        let k = len.min(st.send_credit as usize).min(session.split_send_size);
         st.send_credit -= k as u32;
         let flags = std::mem::take(&mut st.pending_flags);
         drop(st);
-        inner.queue(Header::data(self.cell.id, k as u32, flags), &buf[..k]);
+        queue(&mut inner, Header::data(self.cell.id, k as u32, flags), k);
         drop(inner);
         session.driver.wake();
         Poll::Ready(Ok(k))
     }
 
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        // Queued frames go out as soon as the driver runs; there is nothing to wait for here.
-        Poll::Ready(Ok(()))
+    /// Sends the front of `data` without copying it (the buffer's first bytes become a frame's
+    /// body as they are) and removes what was sent from `data`. Answers the length sent.
+    pub fn poll_send_owned(&mut self, cx: &mut Context<'_>, data: &mut BytesMut) -> Poll<io::Result<usize>> {
+        let len = data.len();
+        self.poll_send_with(cx, len, |inner, header, k| inner.queue_owned(header, data.split_to(k)))
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    /// Takes received bytes as they arrived (a slice of the message they came in, not a copy), at
+    /// most `max`; `None` at end of stream.
+    pub fn poll_recv_chunk(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<io::Result<Option<Bytes>>> {
+        let mut st = self.cell.lock();
+        if st.recv_len > 0
+            && let Some(front) = st.recv.front_mut()
+        {
+            let chunk = if front.len() <= max {
+                let chunk = std::mem::take(front);
+                st.recv.pop_front();
+                chunk
+            } else {
+                front.split_to(max.max(1))
+            };
+            st.recv_len -= chunk.len();
+            st.consumed += chunk.len() as u32;
+            let due = st.update_due();
+            drop(st);
+            if due {
+                self.send_window_update();
+            }
+            return Poll::Ready(Ok(Some(chunk)));
+        }
+        if st.recv_fin {
+            return Poll::Ready(Ok(None));
+        }
+        if st.reset {
+            return Poll::Ready(Err(reset_error()));
+        }
+        if st.ended {
+            return Poll::Ready(Err(session_closed_error()));
+        }
+        st.reader = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    /// Half-closes: the peer reads end-of-stream after what was sent.
+    pub fn poll_finish(&mut self) {
         let mut inner = self.session.lock();
         let mut st = self.cell.lock();
         if st.sent_fin || st.reset || st.ended || inner.ended {
-            return Poll::Ready(Ok(()));
+            return;
         }
         st.sent_fin = true;
         let flags = Flags::FIN | std::mem::take(&mut st.pending_flags);
@@ -577,6 +647,21 @@ impl AsyncWrite for MuxStream {
         inner.queue(Header::data(self.cell.id, 0, flags), &[]);
         drop(inner);
         self.session.driver.wake();
+    }
+}
+
+impl AsyncWrite for MuxStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.poll_send_with(cx, buf.len(), |inner, header, k| inner.queue(header, &buf[..k]))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Queued frames go out as soon as the driver runs; there is nothing to wait for here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_finish();
         Poll::Ready(Ok(()))
     }
 }
@@ -595,7 +680,7 @@ struct SessionDriver<L> {
     /// Dropped when the session stops taking new streams.
     accept: Option<mpsc::Sender<Box<MuxStream>>>,
     /// A batch the link has not taken yet.
-    pending: Option<BytesMut>,
+    pending: Option<Batch>,
     needs_flush: bool,
     closing: bool,
     /// A closing session gives up on a peer that does not take its last frames by then.
@@ -668,8 +753,11 @@ impl<L: Link> SessionDriver<L> {
                     if inner.out.is_empty() {
                         (None, Vec::new())
                     } else {
-                        let take = inner.out.len().min(MAX_BATCH);
-                        let batch = inner.out.split_to(take);
+                        let mut batch = Batch::new();
+                        while batch.len() < MAX_BATCH {
+                            let Some(segment) = inner.out.pop() else { break };
+                            batch.push(segment);
+                        }
                         let waiters = if inner.out.len() < OUT_HIGH_WATER {
                             std::mem::take(&mut inner.room_waiters)
                         } else {
@@ -726,8 +814,8 @@ impl<L: Link> SessionDriver<L> {
     /// An idle session keeps no output buffer (this matters with tens of thousands of agents).
     fn release_idle_buffer(&mut self) {
         let mut inner = self.shared.lock();
-        if inner.out.is_empty() && inner.out.capacity() > 0 {
-            inner.out = BytesMut::new();
+        if inner.out.is_empty() {
+            inner.out = Batch::new();
         }
     }
 
