@@ -43,7 +43,12 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     }
     let mut body = String::from("ready\n");
     for tenant in state.tenants.load().iter() {
-        body.push_str(&format!("tenant {}: {} agent sessions\n", tenant.name, tenant.registry.len()));
+        body.push_str(&format!(
+            "tenant {}: {} agent sessions, {} agents\n",
+            tenant.name,
+            tenant.registry.len(),
+            tenant.registry.agents()
+        ));
     }
     (StatusCode::OK, body)
 }
@@ -62,7 +67,7 @@ async fn tenant_ready(
     };
     let local = tenant.registry.len();
     if local > 0 {
-        return (StatusCode::OK, format!("ready: {local} local agent sessions\n"));
+        return (StatusCode::OK, format!("ready: {local} local agent sessions, {} agents\n", tenant.registry.agents()));
     }
     if state.peers.as_ref().is_some_and(|p| p.tenant_served_elsewhere(&name)) {
         return (StatusCode::OK, "ready: agents reachable through a peer replica\n".into());

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use crate::auth::token::Identity;
 use crate::lifecycle::Lifecycle;
-use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, SESSIONS_CLOSED, TOKEN_REFRESHES};
+use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, AGENTS, SESSIONS_CLOSED, TOKEN_REFRESHES};
 use crate::registry::{AgentIdentifiers, AgentSession};
 use crate::session_life::{Action, CloseReason, Event, SessionLife};
 use crate::settings::SessionSettings;
@@ -386,7 +386,9 @@ struct Registration {
 
 impl Registration {
     fn new(tenant: Arc<Tenant>, entry: Arc<AgentSession>) -> Self {
-        tenant.registry.register(entry.clone());
+        if tenant.registry.register(entry.clone()) {
+            metrics::gauge!(AGENTS, "tenant" => tenant.name.to_string()).increment(1.0);
+        }
         metrics::gauge!(AGENT_SESSIONS, "tenant" => tenant.name.to_string()).increment(1.0);
         Self { tenant, entry }
     }
@@ -395,7 +397,9 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.entry.set_draining();
-        self.tenant.registry.deregister(&self.entry);
+        if self.tenant.registry.deregister(&self.entry) {
+            metrics::gauge!(AGENTS, "tenant" => self.tenant.name.to_string()).decrement(1.0);
+        }
         metrics::gauge!(AGENT_SESSIONS, "tenant" => self.tenant.name.to_string()).decrement(1.0);
     }
 }

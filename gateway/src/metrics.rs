@@ -3,6 +3,8 @@
 
 /// Agent sessions connected, by tenant.
 pub const AGENT_SESSIONS: &str = "tether_gateway_agent_sessions";
+/// Agents with at least one session (an agent may hold several per replica).
+pub const AGENTS: &str = "tether_gateway_agents";
 /// Agent connection attempts by tenant and result (`ok` or an auth/limit reason).
 pub const AGENT_CONNECTS: &str = "tether_gateway_agent_connects_total";
 /// Tunnelled streams open, by tenant.
@@ -42,6 +44,7 @@ pub const BUILD_INFO: &str = "tether_gateway_build_info";
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(AGENT_SESSIONS, "Agent sessions connected.");
+    describe_gauge!(AGENTS, "Agents connected (with one or more sessions).");
     describe_counter!(AGENT_CONNECTS, "Agent connection attempts by result.");
     describe_gauge!(STREAMS_OPEN, "Tunnelled streams open.");
     describe_counter!(DIALS, "Dials by result.");

@@ -232,6 +232,8 @@ fn two_choices(items: &[Arc<AgentSession>]) -> Vec<Arc<AgentSession>> {
 #[derive(Default)]
 struct Inner {
     all: SessionSet,
+    /// Sessions per agent id: an agent may hold several (`pool.sessions_per_replica`).
+    agents: HashMap<String, usize>,
     default_routes: SessionSet,
     by_host: HashMap<String, SessionSet>,
     by_address: HashMap<IpAddr, SessionSet>,
@@ -248,26 +250,46 @@ pub struct AgentRegistry {
 }
 
 impl AgentRegistry {
-    /// Adds a session to routing.
-    pub fn register(&self, session: Arc<AgentSession>) {
+    /// Adds a session to routing; answers whether it is its agent's first here.
+    pub fn register(&self, session: Arc<AgentSession>) -> bool {
         let identifiers = session.identifiers();
-        let Ok(mut inner) = self.inner.write() else { return };
+        let Ok(mut inner) = self.inner.write() else { return false };
         inner.index(&session, &identifiers);
+        let sessions = inner.agents.entry(session.agent_id.clone()).or_default();
+        *sessions += 1;
+        let first = *sessions == 1;
         inner.all.insert(session);
         drop(inner);
         self.added.notify_waiters();
+        first
     }
 
-    /// Removes a session from routing.
-    pub fn deregister(&self, session: &AgentSession) {
+    /// Removes a session from routing; answers whether it was its agent's last here.
+    pub fn deregister(&self, session: &AgentSession) -> bool {
         let identifiers = session.identifiers();
+        let mut last = false;
         if let Ok(mut inner) = self.inner.write() {
             inner.unindex(session.conn_id, &identifiers);
-            inner.all.remove(session.conn_id);
+            if inner.all.index.contains_key(&session.conn_id) {
+                inner.all.remove(session.conn_id);
+                if let Some(sessions) = inner.agents.get_mut(&session.agent_id) {
+                    *sessions -= 1;
+                    if *sessions == 0 {
+                        inner.agents.remove(&session.agent_id);
+                        last = true;
+                    }
+                }
+            }
         }
         if let Ok(mut departed) = self.departed.lock() {
             departed.remember(&identifiers.hosts, &identifiers.addresses, &identifiers.cidrs);
         }
+        last
+    }
+
+    /// Number of agents with a session here (an agent with several sessions counts once).
+    pub fn agents(&self) -> usize {
+        self.inner.read().map(|i| i.agents.len()).unwrap_or_default()
     }
 
     /// Replaces a session's identifiers (the agent sent an update).
@@ -303,8 +325,12 @@ impl AgentRegistry {
     pub fn summary(&self, budget: &mut usize) -> (Summary, bool) {
         let mut summary = Summary::default();
         let Ok(inner) = self.inner.read() else { return (summary, false) };
-        summary.agents = inner.all.items.iter().filter(|s| s.is_usable()).count();
-        summary.default_routes = inner.default_routes.items.iter().filter(|s| s.is_usable()).count();
+        // Agents, not sessions: an agent with several sessions is one agent to route to.
+        let distinct = |items: &[Arc<AgentSession>]| {
+            items.iter().filter(|s| s.is_usable()).map(|s| s.agent_id.as_str()).collect::<HashSet<_>>().len()
+        };
+        summary.agents = distinct(&inner.all.items);
+        summary.default_routes = distinct(&inner.default_routes.items);
         let mut truncated = false;
         let mut take = |budget: &mut usize| {
             if *budget == 0 {
@@ -386,9 +412,9 @@ pub const CLAIM_MEMORY: Duration = Duration::from_secs(30);
 /// What a registry holds, as published to peer replicas.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Summary {
-    /// Usable sessions.
+    /// Agents with a usable session.
     pub agents: usize,
-    /// Usable sessions flagged as default routes.
+    /// Agents with a usable session flagged as a default route.
     pub default_routes: usize,
     /// Host names the usable sessions serve.
     pub hosts: Vec<String>,

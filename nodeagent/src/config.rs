@@ -96,6 +96,9 @@ pub struct GatewayConnection {
     pub window_growth_mib: usize,
 }
 
+/// Most sessions an agent keeps to one replica.
+pub const MAX_SESSIONS_PER_REPLICA: usize = 16;
+
 /// How many gateway replicas the agent holds sessions to.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -103,6 +106,11 @@ pub struct PoolConfig {
     /// `all`: one session to every replica (the gateway reports how many); `one`: a single session.
     #[serde(default)]
     pub mode: crate::connection::PoolMode,
+    /// Sessions to each replica (mode `one`: in all), each its own TLS connection and driver
+    /// task, so the bulk traffic of many streams uses more than one core on each end. Dials are
+    /// spread over them; the gateway counts them as one agent.
+    #[serde(default = "defaults::sessions_per_replica")]
+    pub sessions_per_replica: usize,
     /// Longest pause before dialing again after landing on a replica already held.
     #[serde(default = "defaults::duplicate_retry_max")]
     pub duplicate_retry_max: HumanDuration,
@@ -110,7 +118,11 @@ pub struct PoolConfig {
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        Self { mode: Default::default(), duplicate_retry_max: defaults::duplicate_retry_max() }
+        Self {
+            mode: Default::default(),
+            sessions_per_replica: defaults::sessions_per_replica(),
+            duplicate_retry_max: defaults::duplicate_retry_max(),
+        }
     }
 }
 
@@ -227,6 +239,9 @@ mod defaults {
     pub fn window_growth_mib() -> usize {
         tether_tunnel::mux::DEFAULT_WINDOW_GROWTH >> 20
     }
+    pub fn sessions_per_replica() -> usize {
+        1
+    }
     pub fn duplicate_retry_max() -> HumanDuration {
         Duration::from_secs(2).into()
     }
@@ -285,6 +300,11 @@ impl AgentConfig {
         }
         if gw.ca_file.is_none() && gw.system_roots == Some(false) {
             problems.push("gateway.system_roots: false needs gateway.ca_file, or nothing is trusted".into());
+        }
+        if !(1..=MAX_SESSIONS_PER_REPLICA).contains(&gw.pool.sessions_per_replica) {
+            problems.push(format!(
+                "gateway.pool.sessions_per_replica: must be 1-{MAX_SESSIONS_PER_REPLICA} (more sessions than cores gain nothing)"
+            ));
         }
         if gw.reconnect_initial.0.is_zero() || gw.reconnect_max.0 < gw.reconnect_initial.0 {
             problems

@@ -47,8 +47,6 @@ pub struct ConnectionContext {
     pub state: Arc<AgentState>,
     /// Streams being served (waited for at shutdown).
     pub tasks: TaskTracker,
-    /// One session per replica, or one in all.
-    pub pool: PoolMode,
     /// Longest pause before dialing again after landing on a replica already held.
     pub duplicate_retry_max: Duration,
 }
@@ -69,6 +67,8 @@ pub struct AgentState {
     /// Set when a session was lost, so the supervisor backs off before redialing.
     lost: AtomicBool,
     mode: PoolMode,
+    /// Sessions kept to each replica (at least one).
+    per_replica: usize,
 }
 
 /// How many gateway replicas the agent keeps sessions to.
@@ -89,15 +89,26 @@ struct LiveEntry {
 }
 
 impl AgentState {
-    /// State for an agent keeping sessions per `mode`.
-    pub fn new(mode: PoolMode) -> Self {
-        Self { mode, ..Self::default() }
+    /// State for an agent keeping sessions per `mode`, `per_replica` to each replica.
+    pub fn new(mode: PoolMode, per_replica: usize) -> Self {
+        Self { mode, per_replica: per_replica.max(1), ..Self::default() }
     }
 
     /// Ready: a session to every known replica (pool mode `all`) or to one (mode `one`).
     pub fn is_ready(&self) -> bool {
-        let live = self.server_ids().len();
-        live > 0 && live >= self.wanted_sessions(self.mode)
+        let replicas = self.replicas_held();
+        replicas > 0 && replicas >= self.wanted_replicas()
+    }
+
+    /// Distinct replicas with a live session.
+    pub fn replicas_held(&self) -> usize {
+        let ids = self.server_ids();
+        ids.iter().collect::<std::collections::HashSet<_>>().len()
+    }
+
+    /// Live sessions to `server_id`.
+    fn sessions_to(&self, server_id: &str) -> usize {
+        self.live.lock().map(|l| l.iter().filter(|e| e.server_id == server_id).count()).unwrap_or_default()
     }
 
     /// Sessions that are up and not draining.
@@ -130,11 +141,26 @@ impl AgentState {
         changed
     }
 
-    /// Sessions the agent wants: the reported replica count (at least one), or one.
-    pub fn wanted_sessions(&self, mode: PoolMode) -> usize {
-        match mode {
+    /// Replicas the agent wants sessions to: the reported replica count (at least one), or one.
+    pub fn wanted_replicas(&self) -> usize {
+        match self.mode {
             PoolMode::One => 1,
             PoolMode::All => (self.server_count.load(Ordering::Relaxed) as usize).max(1),
+        }
+    }
+
+    /// Sessions the agent wants in all: `per_replica` to each wanted replica.
+    pub fn wanted_sessions(&self) -> usize {
+        self.wanted_replicas() * self.per_replica
+    }
+
+    /// Whether a new session to `server_id` would be one too many: that replica already has its
+    /// share (pool mode `all`), or the agent already holds all it wants (mode `one`, whose
+    /// sessions may land on any replicas).
+    fn is_surplus(&self, server_id: &str) -> bool {
+        match self.mode {
+            PoolMode::All => self.sessions_to(server_id) >= self.per_replica,
+            PoolMode::One => self.live_sessions() >= self.per_replica,
         }
     }
 
@@ -156,6 +182,11 @@ impl AgentState {
     /// Gateway replicas with a live session.
     pub fn server_ids(&self) -> Vec<String> {
         self.live.lock().map(|l| l.iter().map(|e| e.server_id.clone()).collect()).unwrap_or_default()
+    }
+
+    /// Open streams on each live session (its control stream included).
+    pub fn session_streams(&self) -> Vec<usize> {
+        self.live.lock().map(|l| l.iter().map(|e| e.session.open_streams()).collect()).unwrap_or_default()
     }
 
     /// The live session with the fewest open streams (any replica will do for a forward).
@@ -245,8 +276,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
         let changed = ctx.state.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let held = ctx.state.server_ids();
-        if held.len() >= ctx.state.wanted_sessions(ctx.pool) {
+        if ctx.state.live_sessions() >= ctx.state.wanted_sessions() {
             tokio::select! {
                 () = &mut changed => {}
                 () = tokio::time::sleep(Duration::from_secs(5)) => {}
@@ -278,7 +308,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
         };
         let delay = match establish(&ctx, token).await {
-            Ok(established) if held.contains(&established.welcome.server_id) => {
+            Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
                 tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
                 established.session.close();

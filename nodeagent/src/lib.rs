@@ -107,9 +107,8 @@ impl Agent {
             reconnect: (gw.reconnect_initial.0, gw.reconnect_max.0),
             mux: MuxSettings { window_growth: gw.window_growth_mib << 20, ..MuxSettings::default() },
             policy: Arc::new(DialPolicy { allow, max_timeout: config.dial_timeout.0 }),
-            state: Arc::new(AgentState::new(gw.pool.mode)),
+            state: Arc::new(AgentState::new(gw.pool.mode, gw.pool.sessions_per_replica)),
             tasks: TaskTracker::new(),
-            pool: gw.pool.mode,
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
         });
         let admin = TcpListener::bind(config.admin_listen)

@@ -149,6 +149,11 @@ impl Cluster {
 
     /// An in-process agent for node `node` serving `target`, pooling per `mode`.
     async fn agent(&self, node: &str, target: SocketAddr, mode: &str) -> RunningAgent {
+        self.agent_with(node, target, serde_json::json!({ "mode": mode, "duplicate_retry_max": "200ms" })).await
+    }
+
+    /// An agent with the given `gateway.pool` settings.
+    async fn agent_with(&self, node: &str, target: SocketAddr, pool: serde_json::Value) -> RunningAgent {
         let token = self
             .issuer
             .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(3600), Some(node))
@@ -166,7 +171,7 @@ impl Cluster {
                 "reconnect_max": "1s",
                 "ping_interval": "1s",
                 "ping_timeout": "2s",
-                "pool": { "mode": mode, "duplicate_retry_max": "200ms" },
+                "pool": pool,
             },
             "admin_listen": "127.0.0.1:0",
             "identifiers": { "addresses": [target.ip().to_string()] },
@@ -576,4 +581,47 @@ async fn every_agent_of_a_draining_replica_is_told_to_move() {
     for (agent, _) in &agents {
         assert_eq!(agent.state.last_error(), None, "an agent saw its session lost instead of a drain");
     }
+}
+
+/// `pool.sessions_per_replica: 2`: each agent holds two sessions to each replica; the gateways
+/// count it as one agent (readiness, the agents gauge) and spread its dials over both sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_with_several_sessions_per_replica_is_one_agent_and_its_dials_spread_over_them() {
+    let cluster = Cluster::start(2, 2).await;
+    let pool = serde_json::json!({ "mode": "all", "sessions_per_replica": 2, "duplicate_retry_max": "200ms" });
+    let mut agents = Vec::new();
+    for i in 0..3 {
+        let target = echo_server().await;
+        agents.push((cluster.agent_with(&format!("node-{i}"), target, pool.clone()).await, target));
+    }
+    assert!(all_hold(&agents, 4, Duration::from_secs(60)).await, "{}", cluster.diagnostics());
+    for (agent, _) in &agents {
+        let mut servers = agent.state.server_ids();
+        servers.sort();
+        servers.dedup();
+        assert_eq!(servers.len(), 2, "two sessions to each of the two replicas");
+        assert!(agent.state.is_ready());
+    }
+    for replica in cluster.running_replicas() {
+        let (_, body) = http_get(replica.admin, "/readyz/tenant/ha").await.unwrap();
+        assert!(body.contains("6 local agent sessions, 3 agents"), "{body}");
+        let (_, metrics) = http_get(replica.admin, "/metrics").await.unwrap();
+        assert_eq!(metric_sum(&metrics, "tether_gateway_agents", "tenant=\"ha\""), 3.0, "{metrics}");
+        assert_eq!(metric_sum(&metrics, "tether_gateway_agent_sessions", "tenant=\"ha\""), 6.0);
+    }
+    // Four tunnels held open to one node through one replica: two on each of its sessions there
+    // (each session also carries its control stream).
+    let (agent, target) = &agents[0];
+    let replica = cluster.running_replicas()[0];
+    let mut tunnels = Vec::new();
+    for _ in 0..4 {
+        let mut tunnel = connect_tcp(replica.frontend, &target.to_string()).await.unwrap().unwrap();
+        tunnel.write_all(b"ha!").await.unwrap();
+        let mut got = [0u8; 3];
+        tunnel.read_exact(&mut got).await.unwrap();
+        tunnels.push(tunnel);
+    }
+    let mut loads = agent.state.session_streams();
+    loads.sort_unstable();
+    assert_eq!(loads, vec![1, 1, 3, 3], "dials spread over the sessions to the replica that made them");
 }

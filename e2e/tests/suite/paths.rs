@@ -388,7 +388,9 @@ async fn haproxy_sni_passthrough_with_proxy_protocol_v2_shows_the_agents_address
         );
         // Wait for its session to be registered, then prove the data path.
         let registered = eventually(Duration::from_secs(10), async || {
-            http_get(admin, "/readyz").await.is_ok_and(|(_, body)| body.contains("tenant t1: 1 agent sessions"))
+            http_get(admin, "/readyz")
+                .await
+                .is_ok_and(|(_, body)| body.contains("tenant t1: 1 agent sessions, 1 agents"))
         })
         .await;
         assert!(registered, "{name}");
