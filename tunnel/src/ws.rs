@@ -305,7 +305,7 @@ impl<S> crate::mux::Link for WsByteStream<S>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>> {
         loop {
             if let Err(e) = self.poll_keepalive(cx) {
                 return Poll::Ready(Some(Err(e)));
@@ -319,7 +319,8 @@ where
                 keepalive.heard_from_peer();
             }
             match message {
-                Message::Binary(data) if !data.is_empty() => return Poll::Ready(Some(Ok(data))),
+                // No copy when the message's buffer is not shared.
+                Message::Binary(data) if !data.is_empty() => return Poll::Ready(Some(Ok(BytesMut::from(data)))),
                 // tungstenite answers pings itself; pongs only prove the peer is alive.
                 Message::Binary(_) | Message::Ping(_) | Message::Pong(_) => {}
                 Message::Close(_) => return Poll::Ready(None),

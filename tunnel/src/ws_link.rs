@@ -388,7 +388,7 @@ impl<S> Link for WsLink<S>
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>> {
         if let Err(e) = self.poll_keepalive(cx) {
             return Poll::Ready(Some(Err(e)));
         }
@@ -444,7 +444,7 @@ where
                     }
                     if data {
                         if !payload.is_empty() {
-                            return Poll::Ready(Some(Ok(payload.freeze())));
+                            return Poll::Ready(Some(Ok(payload)));
                         }
                         continue;
                     }
@@ -560,7 +560,7 @@ mod tests {
 
     async fn recv<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(
         link: &mut WsLink<S>,
-    ) -> Option<io::Result<Bytes>> {
+    ) -> Option<io::Result<BytesMut>> {
         futures::future::poll_fn(|cx| link.poll_recv(cx)).await
     }
 

@@ -8,9 +8,10 @@
 //! +---------+--------+---------+-------------+-------------+
 //! ```
 //!
-//! [`FrameReader`] cuts frames out of the chunks a link delivers. A body that lies within one chunk
-//! is handed on as a slice of it (no copy); only frames that straddle two chunks are copied, and
-//! small bodies are copied out so that they do not pin a large chunk in memory.
+//! [`FrameReader`] cuts frames out of the chunks a link delivers. A body that lies within one chunk,
+//! or across chunks that are neighbours in one read buffer, is handed on as a slice of it (no
+//! copy); only frames that straddle separate buffers are copied, and small bodies are copied out so
+//! that they do not pin a large chunk in memory.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -211,11 +212,11 @@ pub struct Frame {
 /// [`next_frame`](Self::next_frame) answers `None`, then push the next chunk.
 #[derive(Debug, Default)]
 pub struct FrameReader {
-    /// A frame that straddles chunks, being completed.
+    /// A frame that straddles separate buffers, being completed by copying.
     partial: BytesMut,
-    /// What is left of the current chunk.
-    rest: Bytes,
-    /// Length of the current chunk, to judge what a slice of it would pin.
+    /// What is left of the chunks pushed.
+    rest: BytesMut,
+    /// Length of the data pushed last, to judge what a slice of it would pin.
     chunk_len: usize,
 }
 
@@ -225,15 +226,27 @@ impl FrameReader {
         Self::default()
     }
 
-    /// Adds the next chunk; call after [`next_frame`](Self::next_frame) has answered `None`.
-    pub fn push(&mut self, chunk: Bytes) {
-        if !self.rest.is_empty() {
+    /// Adds the next chunk; call after [`next_frame`](Self::next_frame) has answered `None`. A
+    /// chunk that continues the previous one in memory (the next part of the same read buffer)
+    /// joins it without a copy; otherwise the unfinished frame is completed by copying what it
+    /// still needs.
+    pub fn push(&mut self, chunk: BytesMut) {
+        self.chunk_len = chunk.len();
+        if self.rest.is_empty() {
+            self.rest = chunk;
+        } else if self.partial.is_empty() && self.rest.as_ptr_range().end == chunk.as_ptr() {
+            // O(1) when both are parts of one buffer (unsplit checks; it copies otherwise).
+            self.rest.unsplit(chunk);
+            self.chunk_len = self.rest.len();
+        } else if self.partial.is_empty() {
+            self.partial = std::mem::take(&mut self.rest);
+            self.rest = chunk;
+        } else {
             // Not expected (the previous chunk was not drained), but still correct.
             let rest = std::mem::take(&mut self.rest);
             self.partial.extend_from_slice(&rest);
+            self.rest = chunk;
         }
-        self.chunk_len = chunk.len();
-        self.rest = chunk;
     }
 
     /// Bytes held for a frame that is not complete yet (bounded by one frame).
@@ -248,30 +261,18 @@ impl FrameReader {
             return self.complete_partial();
         }
         if self.rest.len() < HEADER_LEN {
-            self.stash_rest(HEADER_LEN);
             return Ok(None);
         }
         let header = Header::decode(head(&self.rest))?;
         let total = HEADER_LEN + header.body_len();
         if self.rest.len() < total {
-            self.stash_rest(total);
             return Ok(None);
         }
         let mut frame = self.rest.split_to(total);
-        let body = frame.split_off(HEADER_LEN);
+        let body = frame.split_off(HEADER_LEN).freeze();
         // A small body would pin its whole chunk for as long as the stream keeps it: copy it out.
         let body = if body.len() * 4 >= self.chunk_len { body } else { Bytes::copy_from_slice(&body) };
         Ok(Some(Frame { header, body }))
-    }
-
-    /// Moves the end of the chunk into `partial`, which will grow to `expected` bytes.
-    fn stash_rest(&mut self, expected: usize) {
-        if self.rest.is_empty() {
-            return;
-        }
-        self.partial.reserve(expected);
-        self.partial.extend_from_slice(&self.rest);
-        self.rest = Bytes::new();
     }
 
     fn complete_partial(&mut self) -> Result<Option<Frame>, FrameError> {
@@ -285,7 +286,8 @@ impl FrameReader {
         let header = Header::decode(head(&self.partial))?;
         let total = HEADER_LEN + header.body_len();
         let take = total.saturating_sub(self.partial.len()).min(self.rest.len());
-        self.partial.reserve(take);
+        // One allocation for the whole frame.
+        self.partial.reserve(total.saturating_sub(self.partial.len()));
         self.partial.extend_from_slice(&self.rest.split_to(take));
         if self.partial.len() < total {
             return Ok(None);
@@ -354,7 +356,7 @@ mod tests {
             let mut reader = FrameReader::new();
             let mut got = Vec::new();
             for chunk in stream.chunks(chunk_size) {
-                reader.push(Bytes::copy_from_slice(chunk));
+                reader.push(BytesMut::from(chunk));
                 while let Some(frame) = reader.next_frame().unwrap() {
                     got.push((frame.header, frame.body.to_vec()));
                 }
@@ -368,10 +370,10 @@ mod tests {
     fn a_body_inside_one_chunk_is_not_copied_but_a_small_one_is() {
         let mut stream = frame_bytes(Header::data(1, 60_000, Flags::NONE), &[1u8; 60_000]);
         stream.extend(frame_bytes(Header::data(3, 10, Flags::NONE), &[2u8; 10]));
-        let chunk = Bytes::from(stream);
+        let chunk = BytesMut::from(&stream[..]);
         let range = chunk.as_ptr_range();
         let mut reader = FrameReader::new();
-        reader.push(chunk.clone());
+        reader.push(chunk);
         let big = reader.next_frame().unwrap().unwrap();
         assert!(range.contains(&big.body.as_ptr()), "a large body is a slice of the chunk");
         let small = reader.next_frame().unwrap().unwrap();
@@ -380,11 +382,26 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_across_neighbouring_chunks_of_one_buffer_is_not_copied() {
+        let stream = frame_bytes(Header::data(1, 60_000, Flags::NONE), &[1u8; 60_000]);
+        let mut buffer = BytesMut::from(&stream[..]);
+        let range = buffer.as_ptr_range();
+        let first = buffer.split_to(20_000);
+        let mut reader = FrameReader::new();
+        reader.push(first);
+        assert!(reader.next_frame().unwrap().is_none());
+        reader.push(buffer);
+        let frame = reader.next_frame().unwrap().unwrap();
+        assert!(range.contains(&frame.body.as_ptr()), "the body is a slice of the read buffer");
+        assert_eq!(frame.body.len(), 60_000);
+    }
+
+    #[test]
     fn an_invalid_header_is_reported_before_its_body_arrives() {
         let mut reader = FrameReader::new();
         let mut bytes = Header::data(1, MAX_BODY + 1, Flags::NONE).encode().to_vec();
         bytes.truncate(12);
-        reader.push(Bytes::from(bytes));
+        reader.push(BytesMut::from(&bytes[..]));
         assert!(matches!(reader.next_frame(), Err(FrameError::TooLarge(_))));
     }
 }

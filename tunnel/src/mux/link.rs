@@ -13,7 +13,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 /// A message-oriented transport under a multiplexer session.
 pub trait Link: Send + Unpin + 'static {
     /// The next chunk of the peer's byte stream; `None` once the peer has closed the link.
-    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>>;
+    /// Chunks that continue each other in one buffer let frames across them pass without a copy.
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>>;
     /// Ready when the link can take another batch.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
     /// Queues a batch; call only after [`poll_ready`](Self::poll_ready) was ready. The batch is
@@ -136,13 +137,13 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> ByteLink<T> {
 }
 
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for ByteLink<T> {
-    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>> {
         if self.read.capacity() - self.read.len() < READ_SIZE / 4 {
             self.read.reserve(READ_SIZE);
         }
         match ready!(tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)) {
             Ok(0) => Poll::Ready(None),
-            Ok(_) => Poll::Ready(Some(Ok(self.read.split().freeze()))),
+            Ok(_) => Poll::Ready(Some(Ok(self.read.split()))),
             Err(e) => Poll::Ready(Some(Err(e))),
         }
     }

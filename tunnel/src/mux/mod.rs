@@ -842,7 +842,7 @@ impl<L: Link> SessionDriver<L> {
         }
     }
 
-    fn on_chunk(&mut self, chunk: Bytes) -> Result<(), MuxError> {
+    fn on_chunk(&mut self, chunk: BytesMut) -> Result<(), MuxError> {
         self.reader.push(chunk);
         while let Some(frame) = self.reader.next_frame().map_err(|e| MuxError::Protocol(e.to_string()))? {
             self.on_frame(frame)?;

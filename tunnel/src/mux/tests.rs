@@ -278,7 +278,7 @@ impl RawPeer {
                 return None;
             }
             buf.truncate(n);
-            self.reader.push(Bytes::from(buf));
+            self.reader.push(BytesMut::from(&buf[..]));
         }
     }
 
@@ -311,7 +311,7 @@ async fn a_session_measures_the_round_trip_with_a_ping() {
     let (mut peer, session, _incoming, _driver) = RawPeer::start(Role::Server, &MuxSettings::default());
     let mut buf = vec![0u8; 1024];
     let n = within("the ping", peer.io.read(&mut buf)).await.unwrap();
-    peer.reader.push(Bytes::copy_from_slice(&buf[..n]));
+    peer.reader.push(BytesMut::from(&buf[..n]));
     let ping = peer.reader.next_frame().unwrap().unwrap();
     assert_eq!((ping.header.kind, ping.header.flags), (Kind::Ping, Flags::SYN));
     tokio::time::sleep(Duration::from_millis(30)).await;
