@@ -60,19 +60,21 @@ where
     let mut a_to_b = Pump::default();
     let mut b_to_a = Pump::default();
     poll_fn(|cx| {
-        let forward = a_to_b
-            .poll(cx, &mut *a, &mut *b, &mut |n| on_bytes(Direction::AToB, n))
-            .map_err(|e| SpliceError { direction: Direction::AToB, error: e })?;
-        let backward = b_to_a
-            .poll(cx, &mut *b, &mut *a, &mut |n| on_bytes(Direction::BToA, n))
-            .map_err(|e| SpliceError { direction: Direction::BToA, error: e })?;
-        if forward.is_ready() && backward.is_ready() {
-            Poll::Ready(Ok(SpliceStats { a_to_b: a_to_b.total, b_to_a: b_to_a.total }))
-        } else {
-            Poll::Pending
-        }
+        let forward = a_to_b.poll(cx, &mut *a, &mut *b, &mut |n| on_bytes(Direction::AToB, n));
+        let backward = b_to_a.poll(cx, &mut *b, &mut *a, &mut |n| on_bytes(Direction::BToA, n));
+        both_directions(forward, backward).map_ok(|()| SpliceStats { a_to_b: a_to_b.total, b_to_a: b_to_a.total })
     })
     .await
+}
+
+/// One poll of each direction, combined: done when both are, failed when either fails.
+fn both_directions(forward: Poll<io::Result<()>>, backward: Poll<io::Result<()>>) -> Poll<Result<(), SpliceError>> {
+    match (forward, backward) {
+        (Poll::Ready(Err(error)), _) => Poll::Ready(Err(SpliceError { direction: Direction::AToB, error })),
+        (_, Poll::Ready(Err(error))) => Poll::Ready(Err(SpliceError { direction: Direction::BToA, error })),
+        (Poll::Ready(Ok(())), Poll::Ready(Ok(()))) => Poll::Ready(Ok(())),
+        _ => Poll::Pending,
+    }
 }
 
 /// A failed copy, with the direction in which it failed.
@@ -221,17 +223,9 @@ where
     let mut into_mux = IntoMux::default();
     let mut from_mux = FromMux::default();
     poll_fn(|cx| {
-        let forward = into_mux
-            .poll(cx, &mut *a, &mut *mux, &mut |n| on_bytes(Direction::AToB, n))
-            .map_err(|e| SpliceError { direction: Direction::AToB, error: e })?;
-        let backward = from_mux
-            .poll(cx, &mut *mux, &mut *a, &mut |n| on_bytes(Direction::BToA, n))
-            .map_err(|e| SpliceError { direction: Direction::BToA, error: e })?;
-        if forward.is_ready() && backward.is_ready() {
-            Poll::Ready(Ok(SpliceStats { a_to_b: into_mux.total, b_to_a: from_mux.total }))
-        } else {
-            Poll::Pending
-        }
+        let forward = into_mux.poll(cx, &mut *a, &mut *mux, &mut |n| on_bytes(Direction::AToB, n));
+        let backward = from_mux.poll(cx, &mut *mux, &mut *a, &mut |n| on_bytes(Direction::BToA, n));
+        both_directions(forward, backward).map_ok(|()| SpliceStats { a_to_b: into_mux.total, b_to_a: from_mux.total })
     })
     .await
 }

@@ -399,6 +399,21 @@ struct StreamState {
 }
 
 impl StreamState {
+    /// A read with nothing buffered: end of stream (`Ok`), why reading fails, or wait for data.
+    fn poll_nothing_buffered(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.recv_fin {
+            return Poll::Ready(Ok(()));
+        }
+        if self.reset {
+            return Poll::Ready(Err(reset_error()));
+        }
+        if self.ended {
+            return Poll::Ready(Err(session_closed_error()));
+        }
+        self.reader = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
     fn wake_all(&mut self) {
         if let Some(w) = self.reader.take() {
             w.wake();
@@ -531,17 +546,7 @@ impl AsyncRead for MuxStream {
             }
             return Poll::Ready(Ok(()));
         }
-        if st.recv_fin {
-            return Poll::Ready(Ok(()));
-        }
-        if st.reset {
-            return Poll::Ready(Err(reset_error()));
-        }
-        if st.ended {
-            return Poll::Ready(Err(session_closed_error()));
-        }
-        st.reader = Some(cx.waker().clone());
-        Poll::Pending
+        st.poll_nothing_buffered(cx)
     }
 }
 
@@ -621,17 +626,7 @@ impl MuxStream {
             }
             return Poll::Ready(Ok(Some(chunk)));
         }
-        if st.recv_fin {
-            return Poll::Ready(Ok(None));
-        }
-        if st.reset {
-            return Poll::Ready(Err(reset_error()));
-        }
-        if st.ended {
-            return Poll::Ready(Err(session_closed_error()));
-        }
-        st.reader = Some(cx.waker().clone());
-        Poll::Pending
+        st.poll_nothing_buffered(cx).map_ok(|()| None)
     }
 
     /// Half-closes: the peer reads end-of-stream after what was sent.
