@@ -272,7 +272,7 @@ impl IntoMux {
                 ready!(mux.poll_send_owned(cx, &mut self.buf))?;
             }
             if self.read_done {
-                mux.poll_finish();
+                mux.finish();
                 self.shut_down = true;
                 return Poll::Ready(Ok(()));
             }

@@ -95,14 +95,15 @@ impl Default for KeepaliveSettings {
     }
 }
 
-struct Keepalive {
+/// Keepalive timers of a WebSocket link: when to ping, and when a silent peer is dead.
+pub(crate) struct Keepalive {
     settings: KeepaliveSettings,
     next_ping: Pin<Box<Sleep>>,
     dead_at: Pin<Box<Sleep>>,
 }
 
 impl Keepalive {
-    fn new(settings: KeepaliveSettings) -> Self {
+    pub(crate) fn new(settings: KeepaliveSettings) -> Self {
         let now = Instant::now();
         Self {
             settings,
@@ -111,9 +112,29 @@ impl Keepalive {
         }
     }
 
-    fn heard_from_peer(&mut self) {
+    /// Anything arrived from the peer: it is alive.
+    pub(crate) fn heard_from_peer(&mut self) {
         let deadline = Instant::now() + self.settings.ping_interval + self.settings.ping_timeout;
         self.dead_at.as_mut().reset(deadline);
+    }
+
+    /// Fails once the peer has been silent too long; otherwise answers whether a ping is due now
+    /// (the timer is rearmed for the next one, and this task will wake for it).
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
+        if self.dead_at.as_mut().poll(cx).is_ready() {
+            let silent = self.settings.ping_interval + self.settings.ping_timeout;
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("peer sent nothing for {} s (not even a pong); declaring it dead", silent.as_secs()),
+            ));
+        }
+        if self.next_ping.as_mut().poll(cx).is_pending() {
+            return Ok(false);
+        }
+        let next = Instant::now() + self.settings.ping_interval;
+        self.next_ping.as_mut().reset(next);
+        let _ = self.next_ping.as_mut().poll(cx);
+        Ok(true)
     }
 }
 
@@ -192,18 +213,7 @@ where
         let Some(keepalive) = self.keepalive.as_mut() else {
             return Ok(());
         };
-        if keepalive.dead_at.as_mut().poll(cx).is_ready() {
-            let silent = keepalive.settings.ping_interval + keepalive.settings.ping_timeout;
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("peer sent nothing for {} s (not even a pong); declaring it dead", silent.as_secs()),
-            ));
-        }
-        if keepalive.next_ping.as_mut().poll(cx).is_ready() {
-            let next = Instant::now() + keepalive.settings.ping_interval;
-            keepalive.next_ping.as_mut().reset(next);
-            // Register the timer again so this task wakes for the next ping.
-            let _ = keepalive.next_ping.as_mut().poll(cx);
+        if keepalive.poll(cx)? {
             // A connection too busy to take a ping now is visibly alive; skip this one.
             if Pin::new(&mut self.ws).poll_ready(cx).is_ready() {
                 Pin::new(&mut self.ws).start_send(Message::Ping(Bytes::new())).map_err(ws_to_io)?;

@@ -19,11 +19,10 @@ use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::time::{Instant, Sleep};
 
 use crate::mux::link::{MAX_SLICES, advance_segments};
 use crate::mux::{Batch, Link};
-use crate::ws::KeepaliveSettings;
+use crate::ws::{Keepalive, KeepaliveSettings};
 
 /// Which side of the WebSocket this is: clients mask what they send, servers do not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,28 +148,6 @@ pub fn apply_mask(data: &mut [u8], key: [u8; 4], offset: usize) {
     }
 }
 
-struct Keepalive {
-    settings: KeepaliveSettings,
-    next_ping: Pin<Box<Sleep>>,
-    dead_at: Pin<Box<Sleep>>,
-}
-
-impl Keepalive {
-    fn new(settings: KeepaliveSettings) -> Self {
-        let now = Instant::now();
-        Self {
-            settings,
-            next_ping: Box::pin(tokio::time::sleep_until(now + settings.ping_interval)),
-            dead_at: Box::pin(tokio::time::sleep_until(now + settings.ping_interval + settings.ping_timeout)),
-        }
-    }
-
-    fn heard_from_peer(&mut self) {
-        let deadline = Instant::now() + self.settings.ping_interval + self.settings.ping_timeout;
-        self.dead_at.as_mut().reset(deadline);
-    }
-}
-
 /// A WebSocket connection after the upgrade, as a multiplexer [`Link`].
 pub struct WsLink<S> {
     io: S,
@@ -272,18 +249,7 @@ where
     /// Sends pings when due and fails once the peer has been silent too long.
     fn poll_keepalive(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         let Some(keepalive) = self.keepalive.as_mut() else { return Ok(()) };
-        if keepalive.dead_at.as_mut().poll(cx).is_ready() {
-            let silent = keepalive.settings.ping_interval + keepalive.settings.ping_timeout;
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("peer sent nothing for {} s (not even a pong); declaring it dead", silent.as_secs()),
-            ));
-        }
-        if keepalive.next_ping.as_mut().poll(cx).is_ready() {
-            let next = Instant::now() + keepalive.settings.ping_interval;
-            keepalive.next_ping.as_mut().reset(next);
-            // Register the timer again so this task wakes for the next ping.
-            let _ = keepalive.next_ping.as_mut().poll(cx);
+        if keepalive.poll(cx)? {
             // A link that is still busy sending is visibly alive; skip this ping.
             if self.control_out.is_empty() {
                 self.queue_control(OP_PING, BytesMut::new());
@@ -666,7 +632,7 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 16);
         let mut theirs = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let mut ours = WsLink::new(a, WsRole::Client, settings.clone(), BytesMut::new());
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let reader = tokio::spawn(async move { (recv(&mut ours).await.unwrap().unwrap_err(), started.elapsed()) });
         // The peer sees the ping but, not being polled again, never answers it.
         assert!(matches!(theirs.next().await.unwrap().unwrap(), Message::Ping(_)));

@@ -630,7 +630,7 @@ impl MuxStream {
     }
 
     /// Half-closes: the peer reads end-of-stream after what was sent.
-    pub fn poll_finish(&mut self) {
+    pub fn finish(&mut self) {
         let mut inner = self.session.lock();
         let mut st = self.cell.lock();
         if st.sent_fin || st.reset || st.ended || inner.ended {
@@ -656,7 +656,7 @@ impl AsyncWrite for MuxStream {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.poll_finish();
+        self.finish();
         Poll::Ready(Ok(()))
     }
 }
