@@ -18,6 +18,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::time::Instant;
 
 use crate::auth::token::Identity;
+use crate::claims;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, AGENTS, SESSIONS_CLOSED, TOKEN_REFRESHES};
 use crate::registry::{AgentIdentifiers, AgentSession};
@@ -153,7 +154,16 @@ async fn serve(
     }
 
     let (control_tx, mut control_rx) = mpsc::channel(16);
-    let entry = Arc::new(AgentSession::new(conn_id, agent_id.clone(), peer, session.clone(), identifiers, control_tx));
+    let node_bound = identity.node_name.is_some();
+    let entry = Arc::new(AgentSession::new(
+        conn_id,
+        agent_id.clone(),
+        node_bound,
+        peer,
+        session.clone(),
+        identifiers,
+        control_tx,
+    ));
     let _registration = Registration::new(tenant.clone(), entry.clone());
     metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "ok").increment(1);
     tracing::info!(tenant = %tenant.name, agent = %agent_id, %peer, version = %hello.version, "agent connected");
@@ -189,7 +199,10 @@ async fn serve(
                 Some(Ok(ControlMessage::IdentifiersUpdate(update))) => {
                     let node = identity.node_name.as_deref();
                     match AgentIdentifiers::from_declared(&update, node) {
-                        Ok(ids) => tenant.registry.update_identifiers(&entry, ids),
+                        Ok(ids) => {
+                            let refused = tenant.registry.update_identifiers(&entry, ids, &tenant.claims());
+                            claims::report(&tenant.name, &agent_id, &refused);
+                        }
                         Err(e) => tracing::info!(tenant = %tenant.name, agent = %agent_id, error = %e, "identifier update ignored"),
                     }
                     continue;
@@ -386,7 +399,9 @@ struct Registration {
 
 impl Registration {
     fn new(tenant: Arc<Tenant>, entry: Arc<AgentSession>) -> Self {
-        if tenant.registry.register(entry.clone()) {
+        let registered = tenant.registry.register(entry.clone(), &tenant.claims());
+        claims::report(&tenant.name, &entry.agent_id, &registered.refused);
+        if registered.first {
             metrics::gauge!(AGENTS, "tenant" => tenant.name.to_string()).increment(1.0);
         }
         metrics::gauge!(AGENT_SESSIONS, "tenant" => tenant.name.to_string()).increment(1.0);

@@ -2,7 +2,7 @@
 //! (`TETHER__LISTEN__AGENTS=0.0.0.0:8443`), validated at start-up with errors that name the key
 //! and say how to fix it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -238,6 +238,50 @@ pub struct TenantConfig {
     /// Without it every forward stream is refused.
     #[serde(default)]
     pub node_to_controlplane: Option<NodeToControlPlane>,
+    /// What an agent may claim to reach (addresses, networks, default route).
+    #[serde(default)]
+    pub claims: ClaimsConfig,
+}
+
+/// How a tenant's agents' declared addresses, networks and default-route flag are admitted.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimsConfig {
+    /// `auto` (default): exclusive for agents whose token proves a node; `exclusive`: for every
+    /// agent; `as_declared`: claims are taken as declared (any agent may claim anything).
+    #[serde(default)]
+    pub mode: ClaimMode,
+    /// Addresses and networks per node, from a trusted source (e.g. the Node objects): for a node
+    /// listed here, these are its claims (declared ones outside them are refused), and no other
+    /// agent may claim them.
+    #[serde(default)]
+    pub trusted: BTreeMap<String, Vec<String>>,
+    /// Agents (node names) that may be default routes when claims are exclusive; `"*"` allows
+    /// every agent. Empty (default): none.
+    #[serde(default)]
+    pub default_route: Vec<String>,
+}
+
+/// An address (`10.0.0.5`, a /32 or /128) or a network (`10.244.1.0/24`) from
+/// `claims.trusted`.
+pub fn parse_claim(text: &str) -> Option<ipnet::IpNet> {
+    match text.parse::<std::net::IpAddr>() {
+        Ok(ip) => Some(ipnet::IpNet::from(ip)),
+        Err(_) => text.parse::<ipnet::IpNet>().ok().map(|n| n.trunc()),
+    }
+}
+
+/// See [`ClaimsConfig::mode`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimMode {
+    /// Exclusive for agents with node-bound tokens, as declared for the others.
+    #[default]
+    Auto,
+    /// Exclusive for every agent (by agent id).
+    Exclusive,
+    /// As declared.
+    AsDeclared,
 }
 
 /// The node -> control-plane allow list of a tenant.
@@ -799,6 +843,16 @@ impl GatewayConfig {
             }
             if limits.dial_timeout.0 < Duration::from_millis(100) {
                 problems.push(problem(key("limits.dial_timeout"), "must be at least 100ms (default 10s)"));
+            }
+            for (node, claims) in &tenant.claims.trusted {
+                for claim in claims {
+                    if parse_claim(claim).is_none() {
+                        problems.push(problem(
+                            key(&format!("claims.trusted.{node}")),
+                            format!("{claim:?} is neither an address nor a network (e.g. 10.0.0.5 or 10.244.1.0/24)"),
+                        ));
+                    }
+                }
             }
             if let Some(n2c) = &tenant.node_to_controlplane {
                 let mut target_names = HashSet::new();

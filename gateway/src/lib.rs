@@ -6,7 +6,8 @@
 //!   serves, and drains ([`lifecycle`]); [`reload`] applies a new configuration as one transaction.
 //! - Agents come in through [`agent_endpoint`] (tenant from SNI/Host, upgrade checks, the token:
 //!   [`auth`]) into [`agent_session`] (Hello/Welcome, registration, token deadline, drain; the rules
-//!   are the state machine in [`session_life`]), which registers them in the tenant's [`registry`].
+//!   are the state machine in [`session_life`]), which registers them in the tenant's [`registry`], which admits
+//!   what they claim to reach by the rules of [`claims`].
 //! - A kube-apiserver's CONNECT comes in through [`frontend`] and goes to [`dial`], which opens the
 //!   routes [`router`] decides - **where a dial is routed is `router.rs`, `Router::route`** - on a
 //!   local agent session or through a peer replica ([`peers`] finds them, [`peer_endpoint`] serves
@@ -22,6 +23,7 @@ pub mod agent_endpoint;
 pub mod agent_session;
 pub mod auth;
 pub mod certs;
+pub mod claims;
 pub mod config;
 pub mod dial;
 pub mod error;

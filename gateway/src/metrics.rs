@@ -37,6 +37,8 @@ pub const CONFIG_RELOADS: &str = "tether_gateway_config_reloads_total";
 pub const CONFIG_LAST_RELOAD_OK: &str = "tether_gateway_config_last_reload_success";
 /// 1 while the gateway is draining.
 pub const DRAINING: &str = "tether_gateway_draining";
+/// Agent claims (addresses, networks, host names, default route) refused, by tenant and reason.
+pub const CLAIMS_REFUSED: &str = "tether_gateway_claims_refused_total";
 /// Build information.
 pub const BUILD_INFO: &str = "tether_gateway_build_info";
 
@@ -61,6 +63,10 @@ pub fn describe() {
     describe_counter!(CONFIG_RELOADS, "Configuration reloads by result.");
     describe_gauge!(CONFIG_LAST_RELOAD_OK, "1 if the last configuration reload succeeded.");
     describe_gauge!(DRAINING, "1 while the gateway is draining.");
+    describe_counter!(
+        CLAIMS_REFUSED,
+        "Agent claims refused because another node holds them or the configuration does not allow them."
+    );
     describe_gauge!(BUILD_INFO, "Build information.");
     metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     metrics::gauge!(DRAINING).set(0.0);

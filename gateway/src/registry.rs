@@ -19,6 +19,7 @@ use tether_tunnel::protocol::{ControlMessage, Identifiers};
 use tether_tunnel::untrusted::printable;
 use tokio::sync::{Notify, mpsc};
 
+use crate::claims::{ClaimPolicy, Refusal, RefusedClaim, overlaps};
 use crate::config::RoutingStrategy;
 use crate::target::{DialTarget, TargetHost};
 
@@ -98,6 +99,8 @@ pub struct AgentSession {
     pub conn_id: u64,
     /// The agent's id (its node name when the token proves one).
     pub agent_id: String,
+    /// Whether its token proves its node (the id is then the node name).
+    pub node_bound: bool,
     /// Where the connection came from.
     pub remote: SocketAddr,
     /// When it connected.
@@ -115,6 +118,7 @@ impl AgentSession {
     pub fn new(
         conn_id: u64,
         agent_id: String,
+        node_bound: bool,
         remote: SocketAddr,
         session: mux::Session,
         identifiers: AgentIdentifiers,
@@ -123,6 +127,7 @@ impl AgentSession {
         Self {
             conn_id,
             agent_id,
+            node_bound,
             remote,
             connected_at: Instant::now(),
             session,
@@ -250,18 +255,23 @@ pub struct AgentRegistry {
 }
 
 impl AgentRegistry {
-    /// Adds a session to routing; answers whether it is its agent's first here.
-    pub fn register(&self, session: Arc<AgentSession>) -> bool {
-        let identifiers = session.identifiers();
-        let Ok(mut inner) = self.inner.write() else { return false };
+    /// Adds a session to routing with the claims `policy` admits of the identifiers it declared
+    /// (the refused ones are dropped from the session's identifiers and returned).
+    pub fn register(&self, session: Arc<AgentSession>, policy: &ClaimPolicy) -> Registered {
+        let declared = session.identifiers();
+        let Ok(mut inner) = self.inner.write() else { return Registered::default() };
+        let (identifiers, refused) = inner.admit(&session, declared, policy);
         inner.index(&session, &identifiers);
+        if let Ok(mut current) = session.identifiers.write() {
+            *current = identifiers;
+        }
         let sessions = inner.agents.entry(session.agent_id.clone()).or_default();
         *sessions += 1;
         let first = *sessions == 1;
         inner.all.insert(session);
         drop(inner);
         self.added.notify_waiters();
-        first
+        Registered { first, refused }
     }
 
     /// Removes a session from routing; answers whether it was its agent's last here.
@@ -292,17 +302,25 @@ impl AgentRegistry {
         self.inner.read().map(|i| i.agents.len()).unwrap_or_default()
     }
 
-    /// Replaces a session's identifiers (the agent sent an update).
-    pub fn update_identifiers(&self, session: &Arc<AgentSession>, identifiers: AgentIdentifiers) {
-        let Ok(mut inner) = self.inner.write() else { return };
+    /// Replaces a session's identifiers (the agent sent an update) with what `policy` admits of
+    /// them; answers the refused claims.
+    pub fn update_identifiers(
+        &self,
+        session: &Arc<AgentSession>,
+        declared: AgentIdentifiers,
+        policy: &ClaimPolicy,
+    ) -> Vec<RefusedClaim> {
+        let Ok(mut inner) = self.inner.write() else { return Vec::new() };
         let old = session.identifiers();
         inner.unindex(session.conn_id, &old);
+        let (identifiers, refused) = inner.admit(session, declared, policy);
         if inner.all.index.contains_key(&session.conn_id) {
             inner.index(session, &identifiers);
         }
         if let Ok(mut current) = session.identifiers.write() {
             *current = identifiers;
         }
+        refused
     }
 
     /// Number of registered sessions.
@@ -401,6 +419,15 @@ impl AgentRegistry {
     }
 }
 
+/// What [`AgentRegistry::register`] did.
+#[derive(Debug, Default)]
+pub struct Registered {
+    /// Whether this is its agent's first session here.
+    pub first: bool,
+    /// Claims the policy refused.
+    pub refused: Vec<RefusedClaim>,
+}
+
 /// Most sessions one strategy offers a dial.
 const MAX_CANDIDATES: usize = 4;
 
@@ -487,6 +514,92 @@ impl ClaimMemory {
 }
 
 impl Inner {
+    /// What `policy` admits of `declared` for `session`, and what it refuses. Exclusive claims
+    /// are held by one agent (all of its sessions): a claim overlapping another agent's (any of
+    /// its sessions here, draining ones included) or another node's trusted claims is refused.
+    fn admit(
+        &self,
+        session: &AgentSession,
+        declared: AgentIdentifiers,
+        policy: &ClaimPolicy,
+    ) -> (AgentIdentifiers, Vec<RefusedClaim>) {
+        if !policy.exclusive(session.node_bound) {
+            return (declared, Vec::new());
+        }
+        let me = session.agent_id.as_str();
+        let mut refused = Vec::new();
+        let mut admitted = AgentIdentifiers::default();
+        let mut refuse = |claim: String, refusal: Refusal| refused.push(RefusedClaim { claim, refusal });
+        for host in declared.hosts {
+            // A node-bound agent's own name is proven by its token.
+            let own = session.node_bound && host.eq_ignore_ascii_case(me);
+            match self.host_holder(&host, me).filter(|_| !own) {
+                Some(holder) => refuse(host, Refusal::HeldBy(holder)),
+                None => {
+                    admitted.hosts.insert(host);
+                }
+            }
+        }
+        let trusted = policy.trusted(me);
+        let nets = declared.addresses.iter().map(|ip| IpNet::from(*ip)).chain(declared.cidrs.iter().copied());
+        let mut claimed: Vec<IpNet> = Vec::new();
+        for net in nets {
+            let claim =
+                || if net.prefix_len() == net.max_prefix_len() { net.addr().to_string() } else { net.to_string() };
+            if let Some(trusted) = trusted {
+                if !trusted.iter().any(|t| t.contains(&net)) {
+                    refuse(claim(), Refusal::NotTrusted);
+                }
+                continue;
+            }
+            match policy.trusted_holder(&net, me).map(str::to_owned).or_else(|| self.net_holder(&net, me)) {
+                Some(holder) => refuse(claim(), Refusal::HeldBy(holder)),
+                None => claimed.push(net),
+            }
+        }
+        // A node the configuration lists claims exactly its trusted addresses and networks.
+        claimed.extend(trusted.into_iter().flatten().copied());
+        for net in claimed {
+            if net.prefix_len() == net.max_prefix_len() {
+                admitted.addresses.insert(net.addr());
+            } else if !admitted.cidrs.contains(&net) {
+                admitted.cidrs.push(net);
+            }
+        }
+        if declared.default_route {
+            if policy.may_default_route(me) {
+                admitted.default_route = true;
+            } else {
+                refuse("default_route".into(), Refusal::DefaultRouteNotAllowed);
+            }
+        }
+        (admitted, refused)
+    }
+
+    /// Another agent with a session indexed under `host`.
+    fn host_holder(&self, host: &str, me: &str) -> Option<String> {
+        let set = self.by_host.get(host)?;
+        set.items.iter().find(|s| s.agent_id != me).map(|s| s.agent_id.clone())
+    }
+
+    /// Another agent whose addresses or networks overlap `net`.
+    fn net_holder(&self, net: &IpNet, me: &str) -> Option<String> {
+        let other = |set: &SessionSet| set.items.iter().find(|s| s.agent_id != me).map(|s| s.agent_id.clone());
+        let by_address = if net.prefix_len() == net.max_prefix_len() {
+            self.by_address.get(&net.addr()).and_then(other)
+        } else {
+            self.by_address.iter().filter(|(ip, _)| net.contains(*ip)).find_map(|(_, set)| other(set))
+        };
+        by_address.or_else(|| {
+            self.with_cidrs
+                .items
+                .iter()
+                .filter(|s| s.agent_id != me)
+                .find(|s| s.identifiers.read().is_ok_and(|ids| ids.cidrs.iter().any(|n| overlaps(n, net))))
+                .map(|s| s.agent_id.clone())
+        })
+    }
+
     fn index(&mut self, session: &Arc<AgentSession>, ids: &AgentIdentifiers) {
         for host in &ids.hosts {
             self.by_host.entry(host.clone()).or_default().insert(session.clone());
@@ -549,5 +662,143 @@ impl Inner {
                 matching.into_iter().filter(|(len, _)| *len == longest).map(|(_, s)| s).collect()
             }
         }
+    }
+}
+
+/// Test support: a session over a real multiplexer on an in-memory pipe, and the agent's end,
+/// which has to stay alive for the session to live.
+#[cfg(test)]
+pub(crate) fn test_session(
+    conn_id: u64,
+    agent_id: &str,
+    node_bound: bool,
+    declared: &Identifiers,
+) -> (Arc<AgentSession>, impl Sized + use<>) {
+    use tether_tunnel::mux::{ByteLink, MuxSettings, Role};
+    let (a, b) = tokio::io::duplex(64 * 1024);
+    let (session, _incoming, driver) = mux::start(ByteLink::new(a), Role::Server, &MuxSettings::default());
+    tokio::spawn(driver);
+    let (peer, peer_incoming, peer_driver) = mux::start(ByteLink::new(b), Role::Client, &MuxSettings::default());
+    tokio::spawn(peer_driver);
+    let node = node_bound.then_some(agent_id);
+    let ids = AgentIdentifiers::from_declared(declared, node).unwrap_or_default();
+    let (control, _) = mpsc::channel(1);
+    let remote = SocketAddr::from(([127, 0, 0, 1], 1));
+    let entry = Arc::new(AgentSession::new(conn_id, agent_id.into(), node_bound, remote, session, ids, control));
+    (entry, (peer, peer_incoming))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ClaimsConfig;
+
+    fn declared(addresses: &[&str], cidrs: &[&str], default_route: bool) -> Identifiers {
+        Identifiers {
+            hosts: vec![],
+            addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+            cidrs: cidrs.iter().map(|c| (*c).to_owned()).collect(),
+            default_route,
+        }
+    }
+
+    fn policy(json: serde_json::Value) -> ClaimPolicy {
+        ClaimPolicy::new(&serde_json::from_value::<ClaimsConfig>(json).unwrap())
+    }
+
+    fn claims(session: &AgentSession) -> (Vec<IpAddr>, Vec<IpNet>, bool) {
+        let ids = session.identifiers();
+        let mut addresses: Vec<_> = ids.addresses.into_iter().collect();
+        addresses.sort();
+        (addresses, ids.cidrs, ids.default_route)
+    }
+
+    #[tokio::test]
+    async fn a_node_bound_agent_cannot_claim_what_another_node_holds() {
+        let registry = AgentRegistry::default();
+        let policy = policy(serde_json::json!({}));
+        let (b, _b) = test_session(1, "node-b", true, &declared(&["10.0.0.2"], &["10.244.2.0/24"], false));
+        assert!(registry.register(b.clone(), &policy).refused.is_empty());
+        let spoof = declared(&["10.0.0.1", "10.0.0.2", "10.244.2.7"], &["10.244.0.0/16", "10.244.1.0/24"], true);
+        let (a, _a) = test_session(2, "node-a", true, &spoof);
+        let refused = registry.register(a.clone(), &policy).refused;
+        let mut refused: Vec<(String, Refusal)> = refused.into_iter().map(|r| (r.claim, r.refusal)).collect();
+        refused.sort_by(|x, y| x.0.cmp(&y.0));
+        let held = Refusal::HeldBy("node-b".into());
+        assert_eq!(
+            refused,
+            vec![
+                ("10.0.0.2".into(), held.clone()),
+                ("10.244.0.0/16".into(), held.clone()),
+                ("10.244.2.7".into(), held),
+                ("default_route".into(), Refusal::DefaultRouteNotAllowed),
+            ]
+        );
+        let (addresses, cidrs, default_route) = claims(&a);
+        assert_eq!(addresses, vec!["10.0.0.1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(cidrs, vec!["10.244.1.0/24".parse::<IpNet>().unwrap()]);
+        assert!(!default_route);
+        let to_b = DialTarget::parse("10.0.0.2:10250").unwrap();
+        let found = registry.candidates(RoutingStrategy::DestHost, &to_b);
+        assert_eq!(found.iter().map(|s| s.agent_id.as_str()).collect::<Vec<_>>(), vec!["node-b"]);
+        let pod_of_b = DialTarget::parse("10.244.2.7:8080").unwrap();
+        let found = registry.candidates(RoutingStrategy::DestHost, &pod_of_b);
+        assert_eq!(found.iter().map(|s| s.agent_id.as_str()).collect::<Vec<_>>(), vec!["node-b"]);
+    }
+
+    #[tokio::test]
+    async fn sessions_of_one_agent_share_its_claims_and_a_released_claim_is_free() {
+        let registry = AgentRegistry::default();
+        let policy = policy(serde_json::json!({}));
+        let ids = declared(&["10.0.0.2"], &[], false);
+        let (b1, _b1) = test_session(1, "node-b", true, &ids);
+        let (b2, _b2) = test_session(2, "node-b", true, &ids);
+        assert!(registry.register(b1.clone(), &policy).refused.is_empty());
+        assert!(registry.register(b2.clone(), &policy).refused.is_empty());
+        let (a, _a) = test_session(3, "node-a", true, &declared(&[], &[], false));
+        registry.register(a.clone(), &policy);
+        let wants = AgentIdentifiers::from_declared(&ids, Some("node-a")).unwrap();
+        assert_eq!(registry.update_identifiers(&a, wants.clone(), &policy).len(), 1);
+        // node-b lets go of the address (both sessions): then node-a may claim it.
+        let none = AgentIdentifiers::from_declared(&declared(&[], &[], false), Some("node-b")).unwrap();
+        registry.update_identifiers(&b1, none.clone(), &policy);
+        assert_eq!(registry.update_identifiers(&a, wants.clone(), &policy).len(), 1, "node-b's other session holds it");
+        registry.update_identifiers(&b2, none, &policy);
+        assert!(registry.update_identifiers(&a, wants, &policy).is_empty());
+    }
+
+    #[tokio::test]
+    async fn trusted_claims_win_over_whoever_came_first() {
+        let registry = AgentRegistry::default();
+        let policy = policy(serde_json::json!({"trusted": {"node-b": ["10.0.0.2", "10.244.2.0/24"]}}));
+        // The spoofer connects first, claiming node-b's address: refused all the same.
+        let (a, _a) = test_session(1, "node-a", true, &declared(&["10.0.0.2", "10.0.0.1"], &[], false));
+        let refused = registry.register(a.clone(), &policy).refused;
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].refusal, Refusal::HeldBy("node-b".into()));
+        // node-b's claims are its trusted ones, whatever it declares.
+        let (b, _b) = test_session(2, "node-b", true, &declared(&["10.0.0.9"], &[], false));
+        let refused = registry.register(b.clone(), &policy).refused;
+        assert_eq!(refused.iter().map(|r| r.refusal.clone()).collect::<Vec<_>>(), vec![Refusal::NotTrusted]);
+        let (addresses, cidrs, _) = claims(&b);
+        assert_eq!(addresses, vec!["10.0.0.2".parse::<IpAddr>().unwrap()]);
+        assert_eq!(cidrs, vec!["10.244.2.0/24".parse::<IpNet>().unwrap()]);
+    }
+
+    #[tokio::test]
+    async fn as_declared_and_unbound_tokens_keep_the_old_behaviour() {
+        let registry = AgentRegistry::default();
+        let auto = policy(serde_json::json!({}));
+        let ids = declared(&["10.0.0.2"], &[], true);
+        let (x, _x) = test_session(1, "x", false, &ids);
+        let (y, _y) = test_session(2, "y", false, &ids);
+        assert!(registry.register(x, &auto).refused.is_empty());
+        assert!(registry.register(y.clone(), &auto).refused.is_empty());
+        assert!(claims(&y).2, "unbound agents may be default routes in auto mode");
+        let exclusive = policy(serde_json::json!({"mode": "exclusive", "default_route": ["z"]}));
+        let (z, _z) = test_session(3, "z", false, &ids);
+        let refused = registry.register(z.clone(), &exclusive).refused;
+        assert_eq!(refused.len(), 1, "exclusive mode applies to unbound agents too");
+        assert!(claims(&z).2);
     }
 }

@@ -239,13 +239,9 @@ impl Routes<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::AgentIdentifiers;
+    use crate::registry::test_session;
     use crate::tenant::test_tenant;
-    use tether_tunnel::mux::{self, ByteLink, MuxSettings, Role};
     use tether_tunnel::protocol::Identifiers;
-
-    /// The agent's end of a session; it has to stay open for the session to live.
-    struct AgentEnd(#[allow(dead_code)] mux::Session, #[allow(dead_code)] mux::Incoming);
 
     /// Registers an agent session (a real multiplexer session over an in-memory pipe) claiming
     /// `addresses`; `default_route` as declared.
@@ -255,24 +251,16 @@ mod tests {
         id: &str,
         addresses: &[&str],
         default_route: bool,
-    ) -> (Arc<AgentSession>, AgentEnd) {
-        let (a, b) = tokio::io::duplex(64 * 1024);
-        let (session, _incoming, driver) = mux::start(ByteLink::new(a), Role::Server, &MuxSettings::default());
-        tokio::spawn(driver);
-        let (peer, peer_incoming, peer_driver) = mux::start(ByteLink::new(b), Role::Client, &MuxSettings::default());
-        tokio::spawn(peer_driver);
+    ) -> (Arc<AgentSession>, impl Sized + use<>) {
         let declared = Identifiers {
             hosts: vec![],
             addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
             cidrs: vec![],
             default_route,
         };
-        let ids = AgentIdentifiers::from_declared(&declared, None).unwrap();
-        let (control, _) = tokio::sync::mpsc::channel(1);
-        let entry =
-            Arc::new(AgentSession::new(conn_id, id.into(), "127.0.0.1:1".parse().unwrap(), session, ids, control));
-        tenant.registry.register(entry.clone());
-        (entry, AgentEnd(peer, peer_incoming))
+        let (entry, agent_end) = test_session(conn_id, id, false, &declared);
+        tenant.registry.register(entry.clone(), &tenant.claims());
+        (entry, agent_end)
     }
 
     fn target(text: &str) -> DialTarget {

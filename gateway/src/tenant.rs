@@ -17,6 +17,7 @@ use crate::auth::key_store::{KeySource, KeyStore};
 use crate::auth::keys::KeySet;
 use crate::auth::token::{TokenVerifier, VerifierSettings};
 use crate::auth::token_review::TokenReviewer;
+use crate::claims::ClaimPolicy;
 use crate::config::TenantConfig;
 use crate::error::SetupError;
 use crate::https_client::HttpsClient;
@@ -28,6 +29,7 @@ pub struct Tenant {
     /// The tenant's name (metric label).
     pub name: Arc<str>,
     config: ArcSwap<TenantConfig>,
+    claims: ArcSwap<ClaimPolicy>,
     verifier: ArcSwap<TokenVerifier>,
     /// Its connected agents.
     pub registry: AgentRegistry,
@@ -61,6 +63,7 @@ impl Tenant {
             streams: Limit::new(limits.max_streams),
             agent_slots: Limit::new(limits.max_agents),
             verifier: ArcSwap::from_pointee(verifier),
+            claims: ArcSwap::from_pointee(ClaimPolicy::new(&config.claims)),
             registry: AgentRegistry::default(),
             removed: CancellationToken::new(),
             config: ArcSwap::from_pointee(config),
@@ -70,6 +73,11 @@ impl Tenant {
     /// The configuration in force.
     pub fn config(&self) -> Arc<TenantConfig> {
         self.config.load_full()
+    }
+
+    /// The claims rules in force.
+    pub fn claims(&self) -> Arc<ClaimPolicy> {
+        self.claims.load_full()
     }
 
     /// The token verifier in force.
@@ -94,6 +102,7 @@ impl Tenant {
         self.pending_dials.resize(config.limits.max_pending_dials);
         self.streams.resize(config.limits.max_streams);
         self.agent_slots.resize(config.limits.max_agents);
+        self.claims.store(Arc::new(ClaimPolicy::new(&config.claims)));
         self.config.store(Arc::new(config));
     }
 

@@ -199,6 +199,7 @@ impl LocalDeployment {
             ],
             limits: TenantLimits::default(),
             node_to_controlplane: None,
+            claims: Default::default(),
         }];
         if let Some(tweak) = options.tweak_gateway.take() {
             tweak(&mut config);

@@ -71,3 +71,49 @@ async fn bad_tokens_get_401_and_no_upgrade() {
     }
     d.shutdown().await;
 }
+
+/// A node-bound agent that declares another node's address (node-a's agent claiming node-b's
+/// InternalIP, as `identifiers.addresses` lets anyone declare anything) gets none of that node's
+/// dials: the gateway refuses the claim, names both nodes and counts it. The spoofer cannot reach
+/// node-b's server (its allow list has only its own), so any dial handed to it would fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spoofing_agent_gets_none_of_another_nodes_dials() {
+    use tether_loadtest::connect_client::connect_tcp;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let node_b = crate::support::echo_server().await;
+    let mut d = LocalDeployment::start(LocalOptions {
+        agents: vec![crate::support::agent_for("node-b", node_b)],
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    d.wait_connected(Duration::from_secs(10)).await.unwrap();
+    let node_a = crate::support::echo_server().await;
+    let mut spoofer = crate::support::agent_for("node-a", node_a);
+    spoofer.addresses.push(node_b.ip());
+    spoofer.default_route = true;
+    d.add_agent(spoofer).await.unwrap();
+    d.wait_connected(Duration::from_secs(10)).await.unwrap();
+
+    let mut failed = 0;
+    for i in 0..100u32 {
+        let target = if i % 10 == 9 { node_a } else { node_b };
+        let Ok(Ok(mut tunnel)) = connect_tcp(d.frontend_addr, &target.to_string()).await else {
+            failed += 1;
+            continue;
+        };
+        let message = format!("dial {i}");
+        tunnel.write_all(message.as_bytes()).await.unwrap();
+        let mut echoed = vec![0; message.len()];
+        tunnel.read_exact(&mut echoed).await.unwrap();
+        assert_eq!(echoed, message.as_bytes());
+    }
+    assert_eq!(failed, 0, "dials for node-b's address were handed to the spoofing agent");
+    let (_, metrics) = tether_loadtest::procs::http_get(d.admin_addr, "/metrics").await.unwrap();
+    for reason in ["held_by_another_node", "default_route_not_allowed"] {
+        let line = format!("tether_gateway_claims_refused_total{{tenant=\"demo\",reason=\"{reason}\"}} 1");
+        assert!(metrics.contains(&line), "no {line:?} in\n{metrics}");
+    }
+    d.shutdown().await;
+}
