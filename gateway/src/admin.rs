@@ -36,13 +36,20 @@ pub fn router(state: AdminState) -> Router {
         .with_state(state)
 }
 
-/// Ready while every listener is up and the gateway is not draining; the body says why not.
+/// Ready while every listener is up, the gateway is not draining and every tenant has signing
+/// keys (or a TokenReview API) to check its agents' tokens; the body says why not.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     if let Some(reason) = state.lifecycle.not_ready_reason() {
         return (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n"));
     }
+    let tenants = state.tenants.load();
+    let without_keys: Vec<String> =
+        tenants.iter().filter(|t| !t.verifier().has_keys()).map(|t| no_keys(&t.name)).collect();
+    if !without_keys.is_empty() {
+        return (StatusCode::SERVICE_UNAVAILABLE, without_keys.concat());
+    }
     let mut body = String::from("ready\n");
-    for tenant in state.tenants.load().iter() {
+    for tenant in tenants.iter() {
         body.push_str(&format!(
             "tenant {}: {} agent sessions, {} agents\n",
             tenant.name,
@@ -65,6 +72,9 @@ async fn tenant_ready(
     let Some(tenant) = state.tenants.load().by_name(&name) else {
         return (StatusCode::NOT_FOUND, format!("no cluster named {name}\n"));
     };
+    if !tenant.verifier().has_keys() {
+        return (StatusCode::SERVICE_UNAVAILABLE, no_keys(&tenant.name));
+    }
     let local = tenant.registry.len();
     if local > 0 {
         return (StatusCode::OK, format!("ready: {local} local agent sessions, {} agents\n", tenant.registry.agents()));
@@ -73,6 +83,10 @@ async fn tenant_ready(
         return (StatusCode::OK, "ready: agents reachable through a peer replica\n".into());
     }
     (StatusCode::SERVICE_UNAVAILABLE, format!("no agent of cluster {name} on this or any peer replica\n"))
+}
+
+fn no_keys(tenant: &str) -> String {
+    format!("tenant {tenant}: no signing keys loaded yet (issuer unreachable or its JWKS invalid; see the log)\n")
 }
 
 async fn render_metrics(State(state): State<AdminState>) -> (StatusCode, [(&'static str, &'static str); 1], String) {

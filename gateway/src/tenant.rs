@@ -110,7 +110,10 @@ impl Tenant {
     /// or `stop` is cancelled.
     pub async fn refresh_keys_periodically(self: Arc<Self>, stop: CancellationToken) {
         loop {
-            let interval = self.config().auth.fetch.refresh_interval.0;
+            // Without keys every agent is refused (and the gateway is unready): retry soon.
+            let fetch = &self.config().auth.fetch;
+            let interval =
+                if self.verifier().has_keys() { fetch.refresh_interval.0 } else { fetch.min_refresh_interval.0 };
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
                 () = stop.cancelled() => return,

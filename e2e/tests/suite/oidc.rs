@@ -230,3 +230,61 @@ async fn oidc_discovery_bad_tokens_outages_and_key_rotation() {
     }
     assert!(log.contains("signing keys refreshed"), "{log}");
 }
+
+/// While a tenant's signing keys cannot be loaded (its issuer is down at start-up), every agent of
+/// that tenant would be refused: the gateway reports unready, naming the tenant, and turns ready
+/// once a retry fetches the keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_every_tenants_signing_keys() {
+    let dir = ScratchDir::new("tether-oidc-ready").unwrap();
+    let ca = DevCa::create(dir.path(), "oidc").unwrap();
+    let ip = format!("127.0.{}.{}", fastrand::u8(1..250), fastrand::u8(1..250));
+    let addr: SocketAddr = format!("{ip}:{}", free_port()).parse().unwrap();
+    let issuer = Issuer {
+        dir: dir.path().join("issuer"),
+        addr,
+        cert: ca.server("issuer", &[&ip]).unwrap(),
+        url: format!("https://{addr}"),
+    };
+    let key = DevIssuer::create(dir.path(), "kas", &issuer.url, IssuerKey::Rs256).unwrap();
+    let gateway_cert = ca.server("gateway", &["late.tether.local"]).unwrap();
+    let agents = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let config = serde_json::json!({
+        "listen": { "agents": agents.to_string(), "admin": admin.to_string() },
+        "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
+        "tenants": [{
+            "name": "late",
+            "hosts": ["late.tether.local"],
+            "auth": {
+                "issuer": issuer.url,
+                "audiences": [AUDIENCE],
+                "algorithms": ["RS256"],
+                "oidc_discovery": true,
+                "fetch": { "ca_file": ca.ca_cert, "min_refresh_interval": "1s", "timeout": "1s" },
+            },
+            "frontend": { "uds": dir.path().join("late.sock") },
+        }],
+    });
+    let file = dir.path().join("gateway.yaml");
+    std::fs::write(&file, config.to_string()).unwrap();
+    let gateway =
+        Process::spawn("tether-gateway", &["-c", file.to_str().unwrap()], &[], dir.path(), "gateway").unwrap();
+    assert!(tether_e2e::nginx::wait_listening(admin, Duration::from_secs(20)).await, "{}", gateway.log_text());
+    // Up, but not ready, for as long as the issuer is down (a few retries).
+    for _ in 0..3 {
+        let (status, body) = http_get(admin, "/readyz").await.unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("tenant late: no signing keys"), "{body}");
+        let (status, body) = http_get(admin, "/readyz/tenant/late").await.unwrap();
+        assert_eq!(status, 503, "{body}");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    let _nginx = issuer.serve(&[&key]);
+    assert!(wait_listening(addr, Duration::from_secs(10)).await, "nginx did not start");
+    assert!(wait_ready(admin, "/readyz", Duration::from_secs(20)).await, "{}", gateway.log_text());
+    let token =
+        key.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
+    let late = settings(agents, &ca.ca_cert, "late.tether.local");
+    assert_eq!(outcome(&late, Some(&token)).await, Ok(()));
+}

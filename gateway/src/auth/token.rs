@@ -188,6 +188,12 @@ impl TokenVerifier {
         Self { settings, keys, review: Some(review) }
     }
 
+    /// Whether this verifier can accept any token: it asks a TokenReview API, or holds at least
+    /// one signing key (a tenant whose keys never loaded refuses every agent).
+    pub fn has_keys(&self) -> bool {
+        self.review.is_some() || !self.keys.current().is_empty()
+    }
+
     /// The key store.
     pub fn key_store(&self) -> &Arc<KeyStore> {
         &self.keys
