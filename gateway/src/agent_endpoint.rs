@@ -70,7 +70,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
     };
     let sessions = &endpoint.sessions;
     if sessions.lifecycle.is_draining() {
-        return retry_later("gateway is shutting down; connect to another replica");
+        return retry_later("gateway is shutting down; connect to another replica", 1);
     }
     let key = match check_upgrade(req.headers()) {
         Ok(key) => key,
@@ -85,7 +85,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
         Err(e) if e.status() == 503 => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
             tracing::warn!(tenant = %tenant.name, peer = %conn.peer, reason = %e, "agent refused: cannot check its token now");
-            return retry_later("cannot check the token right now; retry shortly");
+            return retry_later("cannot check the token right now; retry shortly", 5);
         }
         Err(e) => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => e.label()).increment(1);
@@ -100,7 +100,7 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
         Err(reason) => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "limit").increment(1);
             tracing::warn!(tenant = %tenant.name, peer = %conn.peer, reason, "agent refused: limit reached");
-            return retry_later(reason);
+            return retry_later(reason, 5);
         }
     };
 
@@ -231,9 +231,10 @@ fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
     Ok(token.trim())
 }
 
-fn retry_later(reason: &str) -> HttpResponse {
+/// 503 with `Retry-After: seconds` (agents wait at least that long, plus jitter).
+fn retry_later(reason: &str, seconds: u32) -> HttpResponse {
     let mut response = text(StatusCode::SERVICE_UNAVAILABLE, reason);
-    response.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("5"));
+    response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
     response
 }
 

@@ -114,6 +114,11 @@ pub struct PoolConfig {
     /// Longest pause before dialing again after landing on a replica already held.
     #[serde(default = "defaults::duplicate_retry_max")]
     pub duplicate_retry_max: HumanDuration,
+    /// After a replica's drain message, the agent waits a random delay up to this long (and at
+    /// most half the drain deadline) before dialing again, so a drained replica's agents do not
+    /// all arrive at the others in the same instant. 0 redials at once.
+    #[serde(default = "defaults::drain_reconnect_window")]
+    pub drain_reconnect_window: HumanDuration,
 }
 
 impl Default for PoolConfig {
@@ -122,6 +127,7 @@ impl Default for PoolConfig {
             mode: Default::default(),
             sessions_per_replica: defaults::sessions_per_replica(),
             duplicate_retry_max: defaults::duplicate_retry_max(),
+            drain_reconnect_window: defaults::drain_reconnect_window(),
         }
     }
 }
@@ -245,6 +251,9 @@ mod defaults {
     pub fn duplicate_retry_max() -> HumanDuration {
         Duration::from_secs(2).into()
     }
+    pub fn drain_reconnect_window() -> HumanDuration {
+        Duration::from_secs(5).into()
+    }
     pub fn yes() -> bool {
         true
     }
@@ -332,6 +341,9 @@ impl AgentConfig {
             if gw.proxy.username.is_none() {
                 problems.push("gateway.proxy.password_file: also set gateway.proxy.username".into());
             }
+        }
+        if gw.pool.drain_reconnect_window.0 > Duration::from_secs(600) {
+            problems.push("gateway.pool.drain_reconnect_window: at most 10m (default 5s)".into());
         }
         if gw.token_check_interval.0 < Duration::from_secs(1) {
             problems.push("gateway.token_check_interval: must be at least 1s".into());

@@ -49,6 +49,8 @@ pub struct ConnectionContext {
     pub tasks: TaskTracker,
     /// Longest pause before dialing again after landing on a replica already held.
     pub duplicate_retry_max: Duration,
+    /// Longest random pause before dialing again after a drain message.
+    pub drain_reconnect_window: Duration,
 }
 
 /// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
@@ -66,6 +68,10 @@ pub struct AgentState {
     server_count: AtomicU32,
     /// Set when a session was lost, so the supervisor backs off before redialing.
     lost: AtomicBool,
+    /// No dial before this instant (set after a drain message, spread by jitter).
+    redial_at: Mutex<Option<tokio::time::Instant>>,
+    /// Dials to the gateway started.
+    dials: AtomicU64,
     mode: PoolMode,
     /// Sessions kept to each replica (at least one).
     per_replica: usize,
@@ -179,6 +185,18 @@ impl AgentState {
         self.lost.swap(false, Ordering::Relaxed)
     }
 
+    /// Holds the next dial until `at` (the latest such instant wins).
+    fn redial_not_before(&self, at: tokio::time::Instant) {
+        if let Ok(mut slot) = self.redial_at.lock() {
+            *slot = Some(slot.map_or(at, |held| held.max(at)));
+        }
+    }
+
+    /// Dials to the gateway started so far.
+    pub fn dials(&self) -> u64 {
+        self.dials.load(Ordering::Relaxed)
+    }
+
     /// Gateway replicas with a live session.
     pub fn server_ids(&self) -> Vec<String> {
         self.live.lock().map(|l| l.iter().map(|e| e.server_id.clone()).collect()).unwrap_or_default()
@@ -252,7 +270,8 @@ struct Established {
 }
 
 enum SessionEnd {
-    Drained,
+    /// The gateway asked to move; the drain deadline it gave.
+    Drained(Duration),
     Lost(String),
     Stopped,
 }
@@ -307,6 +326,14 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                 continue;
             }
         };
+        let wait = ctx.state.redial_at.lock().ok().and_then(|mut at| at.take());
+        if let Some(at) = wait {
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => {}
+                () = stop.cancelled() => break,
+            }
+        }
+        ctx.state.dials.fetch_add(1, Ordering::Relaxed);
         let delay = match establish(&ctx, token).await {
             Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
@@ -327,7 +354,15 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                 let (ctx, stop) = (ctx.clone(), stop.clone());
                 tasks.spawn(async move {
                     match run_session(&ctx, established, &stop).await {
-                        SessionEnd::Stopped | SessionEnd::Drained => {}
+                        SessionEnd::Stopped => {}
+                        SessionEnd::Drained(deadline) => {
+                            // Spread the drained replica's agents over a window (at most half
+                            // the drain deadline, so they have moved before it ends).
+                            let window = ctx.drain_reconnect_window.min(deadline / 2);
+                            let pause = window.mul_f64(fastrand::f64());
+                            tracing::debug!(pause_ms = pause.as_millis() as u64, "redialing after the drain pause");
+                            ctx.state.redial_not_before(tokio::time::Instant::now() + pause);
+                        }
                         SessionEnd::Lost(reason) => {
                             tracing::warn!(%reason, "session to the gateway lost; reconnecting");
                             ctx.state.set_last_error(Some(reason));
@@ -339,7 +374,14 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
             Err(e) => {
                 metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
-                let delay = backoff.next_delay();
+                let mut delay = backoff.next_delay();
+                if let EstablishError::Connect(c) = &e
+                    && let Some(asked) = c.retry_after()
+                {
+                    // The gateway said when (a limit, a drain, a TokenReview outage): not sooner,
+                    // plus up to a fifth more so its refused agents do not come back together.
+                    delay = delay.max(asked + asked.mul_f64(fastrand::f64() / 5.0));
+                }
                 if matches!(
                     &e,
                     EstablishError::Connect(ConnectError::Proxy(
@@ -445,7 +487,7 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                     // gateway, and with it the streams still in flight.
                     let control = (control_write, reader, messages);
                     tokio::spawn(finish_draining(session.clone(), incoming, control, ctx.clone(), deadline));
-                    return SessionEnd::Drained;
+                    return SessionEnd::Drained(deadline);
                 }
                 Some(Ok(ControlMessage::ServerCount(count))) => {
                     tracing::info!(servers = count.server_count, "the gateway's replica count changed");

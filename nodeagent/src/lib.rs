@@ -110,6 +110,7 @@ impl Agent {
             state: Arc::new(AgentState::new(gw.pool.mode, gw.pool.sessions_per_replica)),
             tasks: TaskTracker::new(),
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
+            drain_reconnect_window: gw.pool.drain_reconnect_window.0,
         });
         let admin = TcpListener::bind(config.admin_listen)
             .await

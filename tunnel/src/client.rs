@@ -86,6 +86,8 @@ pub enum ConnectError {
         status: u16,
         /// The gateway's short reason.
         reason: String,
+        /// Its `Retry-After` (seconds), if it sent one.
+        retry_after: Option<Duration>,
     },
     /// The WebSocket handshake failed otherwise.
     #[error("WebSocket handshake with {addr} failed: {reason}")]
@@ -102,7 +104,20 @@ impl ConnectError {
     pub fn is_unauthorized(&self) -> bool {
         matches!(self, Self::Rejected { status: 401 | 403, .. })
     }
+
+    /// How long the gateway asked us to wait before trying again (`Retry-After`, capped at
+    /// [`MAX_RETRY_AFTER`]).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Rejected { retry_after, .. } => retry_after.map(|d| d.min(MAX_RETRY_AFTER)),
+            _ => None,
+        }
+    }
 }
+
+/// The longest `Retry-After` honoured: a misconfigured or hostile answer cannot park an agent
+/// for days.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 /// Dials the gateway and returns the tunnel's WebSocket link.
 pub async fn connect(settings: &ClientSettings, bearer_token: Option<&str>) -> Result<WsLink<Transport>, ConnectError> {
@@ -160,7 +175,9 @@ async fn upgrade(
         request.headers_mut().insert(http::header::HOST, value);
     }
     upgrade_over(transport, &request, &settings.ws).await.map_err(|e| match e {
-        UpgradeError::Rejected { status, reason } => ConnectError::Rejected { status, reason },
+        UpgradeError::Rejected { status, reason, retry_after } => {
+            ConnectError::Rejected { status, reason, retry_after }
+        }
         other => ConnectError::Handshake { addr: addr.to_owned(), reason: other.to_string() },
     })
 }
@@ -175,6 +192,8 @@ pub enum UpgradeError {
         status: u16,
         /// The body (the gateway's short reason).
         reason: String,
+        /// `Retry-After` in seconds (the HTTP-date form is not used by the gateway and ignored).
+        retry_after: Option<Duration>,
     },
     /// The answer was not a valid upgrade to `tether.v1`.
     #[error("{0}")]
@@ -236,6 +255,8 @@ where
     };
     if status != 101 {
         let length: usize = header(&http::header::CONTENT_LENGTH).and_then(|l| l.parse().ok()).unwrap_or(0).min(4096);
+        let retry_after =
+            header(&http::header::RETRY_AFTER).and_then(|v| v.parse::<u64>().ok()).map(Duration::from_secs);
         let mut body = buf.split_off(head_len);
         let rest = async {
             while body.len() < length {
@@ -247,7 +268,7 @@ where
         let _ = tokio::time::timeout(Duration::from_secs(2), rest).await;
         body.truncate(length);
         let reason: String = String::from_utf8_lossy(&body).trim().chars().take(300).collect();
-        return Err(UpgradeError::Rejected { status, reason });
+        return Err(UpgradeError::Rejected { status, reason, retry_after });
     }
     if header(&SEC_WEBSOCKET_ACCEPT).as_deref() != Some(derive_accept_key(key.as_bytes()).as_str()) {
         return Err(UpgradeError::Invalid("the server's Sec-WebSocket-Accept does not match our key".into()));

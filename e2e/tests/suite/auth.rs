@@ -14,7 +14,7 @@ async fn status_for(deployment: &LocalDeployment, token: Option<&str>) -> Result
     let settings = deployment.client_settings().unwrap();
     match client::connect(&settings, token).await {
         Ok(_) => Ok(()),
-        Err(ConnectError::Rejected { status, reason }) => Err((status, reason)),
+        Err(ConnectError::Rejected { status, reason, .. }) => Err((status, reason)),
         Err(other) => panic!("expected an HTTP answer, got {other}"),
     }
 }

@@ -583,6 +583,43 @@ async fn every_agent_of_a_draining_replica_is_told_to_move() {
     }
 }
 
+/// After a replica's drain message, its agents do not all redial in the same instant: each waits
+/// a random pause within `pool.drain_reconnect_window` (here 2 s), so their first dials after the
+/// drain spread over most of the window (at once, they would all fall within a few ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_replicas_agents_spread_their_redials() {
+    let mut cluster = Cluster::start(2, 2).await;
+    let mut agents = Vec::new();
+    for i in 0..20 {
+        let target = echo_server().await;
+        let pool = serde_json::json!({ "mode": "all", "duplicate_retry_max": "200ms", "drain_reconnect_window": "2s" });
+        agents.push((cluster.agent_with(&format!("node-{i}"), target, pool).await, target));
+    }
+    assert!(all_hold(&agents, 2, Duration::from_secs(60)).await);
+    let states: Vec<_> = agents.iter().map(|(a, _)| a.state.clone()).collect();
+    let before: Vec<u64> = states.iter().map(|s| s.dials()).collect();
+    let watcher = tokio::spawn(async move {
+        // When each agent first dials after the drain.
+        let mut first: Vec<Option<tokio::time::Instant>> = vec![None; states.len()];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while first.iter().any(Option::is_none) && tokio::time::Instant::now() < deadline {
+            for (i, state) in states.iter().enumerate() {
+                if first[i].is_none() && state.dials() > before[i] {
+                    first[i] = Some(tokio::time::Instant::now());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        first
+    });
+    cluster.stop_replica(0).await;
+    let first: Vec<_> = watcher.await.unwrap().into_iter().flatten().collect();
+    assert_eq!(first.len(), 20, "every agent dials again after the drain");
+    let (earliest, latest) = (first.iter().min().unwrap(), first.iter().max().unwrap());
+    let spread = latest.duration_since(*earliest);
+    assert!(spread >= Duration::from_millis(800), "redials fell within {spread:?} of each other");
+}
+
 /// `pool.sessions_per_replica: 2`: each agent holds two sessions to each replica; the gateways
 /// count it as one agent (readiness, the agents gauge) and spread its dials over both sessions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

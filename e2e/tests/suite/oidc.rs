@@ -70,7 +70,7 @@ fn settings(agents: SocketAddr, ca: &std::path::Path, host: &str) -> ClientSetti
 async fn outcome(settings: &ClientSettings, token: Option<&str>) -> Result<(), (u16, String)> {
     match client::connect(settings, token).await {
         Ok(_) => Ok(()),
-        Err(ConnectError::Rejected { status, reason }) => Err((status, reason)),
+        Err(ConnectError::Rejected { status, reason, .. }) => Err((status, reason)),
         Err(e) => Err((0, e.to_string())),
     }
 }

@@ -210,3 +210,31 @@ async fn a_gateway_restart_under_load_fails_in_flight_dials_cleanly() {
     echo_roundtrip(frontend, echo).await.unwrap();
     deployment.shutdown().await;
 }
+
+/// An agent refused with 503 and `Retry-After` (here: the tenant's `max_agents` is reached) waits
+/// at least that long before dialing again, instead of its own backoff (100 ms, then up to 2 s):
+/// over 3.5 s it dials once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_refused_with_retry_after_waits_that_long() {
+    use tether_loadtest::local::{LocalDeployment, LocalOptions};
+    let first = crate::support::echo_server().await;
+    let mut d = LocalDeployment::start(LocalOptions {
+        agents: vec![crate::support::agent_for("node-1", first)],
+        tweak_gateway: Some(Box::new(|config| config.tenants[0].limits.max_agents = 1)),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    d.wait_connected(Duration::from_secs(10)).await.unwrap();
+    let second = crate::support::echo_server().await;
+    d.add_agent(crate::support::agent_for("node-2", second)).await.unwrap();
+    let refused = &d.agents[1];
+    assert!(
+        tether_e2e::bins::eventually(Duration::from_secs(5), async || refused.state.dials() >= 1).await,
+        "the second agent never dialed"
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(refused.state.dials(), 1, "dialed again before the gateway's Retry-After: 5");
+    assert!(refused.state.last_error().is_some_and(|e| e.contains("503")), "{:?}", refused.state.last_error());
+    d.shutdown().await;
+}

@@ -267,7 +267,7 @@ async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
         .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some("small-2"))
         .unwrap();
     match tether_tunnel::client::connect(&settings, Some(&token)).await {
-        Err(tether_tunnel::client::ConnectError::Rejected { status, reason }) => {
+        Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => {
             assert_eq!(status, 503);
             assert!(reason.contains("agent limit"), "{reason}");
         }
@@ -674,7 +674,7 @@ async fn token_review_asks_the_tenants_apiserver_and_caches_the_answer() {
         async move {
             match tether_tunnel::client::connect(&settings, Some(&token)).await {
                 Ok(_) => Ok(()),
-                Err(tether_tunnel::client::ConnectError::Rejected { status, reason }) => Err((status, reason)),
+                Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => Err((status, reason)),
                 Err(e) => Err((0, e.to_string())),
             }
         }
