@@ -476,6 +476,12 @@ pub struct TenantLimits {
     /// How long a dial may take, agent connect included.
     #[serde(default = "defaults::dial_timeout")]
     pub dial_timeout: HumanDuration,
+    /// New dials per second, sustained (a token bucket); 0: no limit. Over it, 429.
+    #[serde(default = "defaults::dials_per_second")]
+    pub dials_per_second: u32,
+    /// New dials allowed at once above the sustained rate (the bucket's size).
+    #[serde(default = "defaults::dial_burst")]
+    pub dial_burst: u32,
 }
 
 impl Default for TenantLimits {
@@ -485,6 +491,8 @@ impl Default for TenantLimits {
             max_streams: defaults::max_streams(),
             max_pending_dials: defaults::max_pending_dials(),
             dial_timeout: defaults::dial_timeout(),
+            dials_per_second: defaults::dials_per_second(),
+            dial_burst: defaults::dial_burst(),
         }
     }
 }
@@ -566,6 +574,12 @@ mod defaults {
     }
     pub fn dial_timeout() -> HumanDuration {
         Duration::from_secs(10).into()
+    }
+    pub fn dials_per_second() -> u32 {
+        1_000
+    }
+    pub fn dial_burst() -> u32 {
+        2_000
     }
 }
 
@@ -840,6 +854,9 @@ impl GatewayConfig {
                 if value == 0 {
                     problems.push(problem(key(field), "must be at least 1"));
                 }
+            }
+            if limits.dials_per_second > 0 && limits.dial_burst == 0 {
+                problems.push(problem(key("limits.dial_burst"), "must be at least 1 when dials_per_second is set"));
             }
             if limits.dial_timeout.0 < Duration::from_millis(100) {
                 problems.push(problem(key("limits.dial_timeout"), "must be at least 100ms (default 10s)"));

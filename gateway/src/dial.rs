@@ -36,6 +36,9 @@ pub enum DialError {
     /// The tenant has too many dials in flight.
     #[error("too many pending dials for this cluster (limit {0}); retry shortly")]
     TooManyPending(usize),
+    /// The tenant opens new dials faster than `limits.dials_per_second`.
+    #[error("too many new dials for this cluster (limit {0} per second); retry shortly")]
+    RateLimited(u32),
     /// The tenant has too many open streams.
     #[error("too many open tunnelled connections for this cluster (limit {0})")]
     TooManyStreams(usize),
@@ -62,7 +65,7 @@ impl DialError {
     pub fn status(&self) -> u16 {
         match self {
             Self::NoAgent(_) | Self::TooManyStreams(_) => 503,
-            Self::TooManyPending(_) => 429,
+            Self::TooManyPending(_) | Self::RateLimited(_) => 429,
             Self::Refused { code: ErrorCode::NotAllowed, .. } => 403,
             Self::Refused { code: ErrorCode::Timeout, .. } | Self::Timeout(_) => 504,
             Self::Refused { code: ErrorCode::LimitExceeded | ErrorCode::Draining, .. } => 503,
@@ -82,6 +85,7 @@ impl DialError {
         match self {
             Self::NoAgent(_) => "no_agent",
             Self::TooManyPending(_) => "too_many_pending",
+            Self::RateLimited(_) => "rate_limited",
             Self::TooManyStreams(_) => "too_many_streams",
             Self::Refused { code, .. } => code.as_str(),
             Self::Timeout(_) => "timeout",
@@ -175,7 +179,12 @@ impl Dialer {
     /// the outcome in metrics.
     pub async fn dial(&self, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
         let started = Instant::now();
-        let result = self.dial_scoped(tenant, target, Scope::Everywhere).await;
+        // Counted once, where the dial enters the gateways (a peer-forwarded dial is not).
+        let result = if tenant.dial_rate.try_take() {
+            self.dial_scoped(tenant, target, Scope::Everywhere).await
+        } else {
+            Err(DialError::RateLimited(tenant.dial_rate.rate()))
+        };
         let label = match &result {
             Ok(_) => "ok",
             Err(e) => e.label(),

@@ -3,9 +3,9 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use jsonwebtoken::Algorithm;
@@ -39,6 +39,8 @@ pub struct Tenant {
     pub streams: Limit,
     /// Agent sessions connected.
     pub agent_slots: Limit,
+    /// New dials per second.
+    pub dial_rate: RateLimit,
     /// Cancelled when the tenant is removed from the configuration.
     pub removed: CancellationToken,
 }
@@ -62,6 +64,7 @@ impl Tenant {
             pending_dials: Limit::new(limits.max_pending_dials),
             streams: Limit::new(limits.max_streams),
             agent_slots: Limit::new(limits.max_agents),
+            dial_rate: RateLimit::new(limits.dials_per_second, limits.dial_burst),
             verifier: ArcSwap::from_pointee(verifier),
             claims: ArcSwap::from_pointee(ClaimPolicy::new(&config.claims)),
             registry: AgentRegistry::default(),
@@ -102,6 +105,7 @@ impl Tenant {
         self.pending_dials.resize(config.limits.max_pending_dials);
         self.streams.resize(config.limits.max_streams);
         self.agent_slots.resize(config.limits.max_agents);
+        self.dial_rate.resize(config.limits.dials_per_second, config.limits.dial_burst);
         self.claims.store(Arc::new(ClaimPolicy::new(&config.claims)));
         self.config.store(Arc::new(config));
     }
@@ -166,6 +170,58 @@ impl Limit {
                     }
                 });
             }
+        }
+    }
+}
+
+/// A token bucket: `rate` takes per second sustained, up to `burst` at once; rate 0: no limit.
+pub struct RateLimit {
+    bucket: Mutex<Bucket>,
+}
+
+struct Bucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl RateLimit {
+    /// A full bucket.
+    pub fn new(rate: u32, burst: u32) -> Self {
+        let burst = f64::from(burst.max(1));
+        Self { bucket: Mutex::new(Bucket { rate: f64::from(rate), burst, tokens: burst, last: Instant::now() }) }
+    }
+
+    /// Takes one if the bucket holds one.
+    pub fn try_take(&self) -> bool {
+        let Ok(mut bucket) = self.bucket.lock() else { return true };
+        if bucket.rate == 0.0 {
+            return true;
+        }
+        let now = Instant::now();
+        let refill = now.duration_since(bucket.last).as_secs_f64() * bucket.rate;
+        bucket.tokens = (bucket.tokens + refill).min(bucket.burst);
+        bucket.last = now;
+        if bucket.tokens >= 1.0 {
+            bucket.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The sustained rate (0: no limit).
+    pub fn rate(&self) -> u32 {
+        self.bucket.lock().map(|b| b.rate as u32).unwrap_or_default()
+    }
+
+    /// Changes rate and burst, keeping what the bucket holds (up to the new burst).
+    pub fn resize(&self, rate: u32, burst: u32) {
+        if let Ok(mut bucket) = self.bucket.lock() {
+            bucket.rate = f64::from(rate);
+            bucket.burst = f64::from(burst.max(1));
+            bucket.tokens = bucket.tokens.min(bucket.burst);
         }
     }
 }
@@ -372,6 +428,17 @@ pub(crate) async fn test_tenant(name: &str, routing: &[crate::config::RoutingStr
 #[cfg(test)]
 mod tests {
     use super::strip_port;
+
+    #[tokio::test]
+    async fn the_dial_rate_allows_its_burst_then_refills_at_its_rate() {
+        let limit = super::RateLimit::new(10, 3);
+        assert_eq!((0..5).filter(|_| limit.try_take()).count(), 3, "the burst, then nothing");
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let refilled = (0..5).filter(|_| limit.try_take()).count();
+        assert!((2..=3).contains(&refilled), "about 2.5 refilled at 10/s in 250 ms: {refilled}");
+        limit.resize(0, 1);
+        assert!((0..100).all(|_| limit.try_take()), "rate 0 is no limit");
+    }
 
     #[test]
     fn ports_are_stripped_from_hosts() {

@@ -197,7 +197,8 @@ impl LocalDeployment {
                 tether_gateway::config::RoutingStrategy::DefaultRoute,
                 tether_gateway::config::RoutingStrategy::LeastLoaded,
             ],
-            limits: TenantLimits::default(),
+            // The load-test scenarios dial faster than the default per-tenant rate.
+            limits: TenantLimits { dials_per_second: 0, ..TenantLimits::default() },
             node_to_controlplane: None,
             claims: Default::default(),
         }];

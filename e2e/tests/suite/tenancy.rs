@@ -296,6 +296,71 @@ async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
     fleet.shutdown().await;
 }
 
+/// One tenant's runaway client hits its own stream cap (503) and dial rate (429, `Retry-After`)
+/// while another tenant on the same gateway dials at full speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_stream_cap_and_dial_rate_do_not_touch_other_tenants() {
+    let fleet = Fleet::start(
+        &["busy", "calm"],
+        &[serde_json::json!({ "max_streams": 3, "dials_per_second": 10, "dial_burst": 10 }), serde_json::json!({})],
+    )
+    .await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    let busy = RunningAgent::start(fleet.agent_config(0, "busy-1", x, Duration::from_secs(3600))).await;
+    let calm = RunningAgent::start(fleet.agent_config(1, "calm-1", y, Duration::from_secs(3600))).await;
+    assert!(busy.wait_live(Duration::from_secs(10)).await && calm.wait_live(Duration::from_secs(10)).await);
+
+    // Three open tunnels fill busy's max_streams: the fourth dial gets 503, calm's still work.
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        open.push(connect_tcp(fleet.frontends[0], &x.to_string()).await.unwrap().unwrap());
+    }
+    let (status, reason) = echo_via(fleet.frontends[0], x).await.unwrap_err();
+    assert_eq!(status, 503, "{reason}");
+    assert!(reason.contains("too many open tunnelled connections"), "{reason}");
+    assert_eq!(echo_via(fleet.frontends[1], y).await, Ok(()));
+    // A closed tunnel frees its slot.
+    drop(open.pop());
+    assert!(
+        tether_e2e::bins::eventually(Duration::from_secs(5), async || echo_via(fleet.frontends[0], x).await.is_ok())
+            .await
+    );
+    drop(open);
+
+    // 40 dials back to back (one open at a time, under max_streams): busy serves its bucket (10,
+    // plus what refills meanwhile) and refuses the rest with 429; calm serves 40 at once meanwhile.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let back_to_back = async {
+        let mut results = Vec::new();
+        for _ in 0..40 {
+            results.push(echo_via(fleet.frontends[0], x).await);
+        }
+        results
+    };
+    let at_once = futures::future::join_all((0..40).map(|_| echo_via(fleet.frontends[1], y)));
+    let (busy_results, calm_results) = tokio::join!(back_to_back, at_once);
+    let served = busy_results.iter().filter(|r| r.is_ok()).count();
+    let limited: Vec<_> = busy_results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!((10..=20).contains(&served), "busy served {served} of 40");
+    assert!(
+        limited.iter().all(|(status, reason)| *status == 429 && reason.contains("too many new dials")),
+        "{limited:?}"
+    );
+    assert!(calm_results.iter().all(Result::is_ok), "{calm_results:?}");
+
+    let metrics = fleet.metrics().await;
+    let dials = |labels: &str| metric_sum(&metrics, "tether_gateway_dials_total", labels);
+    assert!(dials("tenant=\"busy\",result=\"too_many_streams\"") >= 1.0, "{metrics}");
+    assert!(dials("tenant=\"busy\",result=\"rate_limited\"") >= 20.0, "{metrics}");
+    assert_eq!(
+        dials("tenant=\"calm\",result=\"rate_limited\"") + dials("tenant=\"calm\",result=\"too_many_streams\""),
+        0.0
+    );
+    busy.stop().await;
+    calm.stop().await;
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refreshed_token_keeps_the_session_and_an_expired_one_ends_it() {
     let fleet = Fleet::start(&["fresh", "stale"], &[]).await;
