@@ -207,6 +207,10 @@ async fn serve(
                     }
                     continue;
                 }
+                Some(Ok(ControlMessage::Leaving(leaving))) => {
+                    tracing::info!(tenant = %tenant.name, agent = %agent_id, reason = ?leaving.reason.chars().take(200).collect::<String>(), deadline_ms = leaving.deadline_ms, open_streams = entry.load(), "agent is leaving; no new dials for this session");
+                    Event::AgentLeaving
+                }
                 Some(Ok(other)) => {
                     tracing::debug!(tenant = %tenant.name, agent = %agent_id, ?other, "control message ignored");
                     continue;

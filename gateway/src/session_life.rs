@@ -56,6 +56,8 @@ pub enum Event {
     },
     /// The gateway started draining.
     DrainStarted,
+    /// The agent said it is stopping: its open streams finish, new dials go elsewhere.
+    AgentLeaving,
     /// The tenant was removed from the configuration.
     TenantRemoved,
     /// The grace period after the tenant's removal is over.
@@ -133,6 +135,7 @@ impl SessionLife {
                 }
                 actions
             }
+            Event::AgentLeaving => vec![Action::StopRouting],
             Event::DrainStarted => {
                 if self.drain_sent {
                     return Vec::new();
@@ -214,6 +217,14 @@ mod tests {
         assert!(s.on(Event::DrainStarted).is_empty());
         // The session lives on until the agent leaves or the grace period ends.
         assert_eq!(s.closed(), None);
+        assert_eq!(s.on(Event::ControlClosed), vec![Action::Close(CloseReason::AgentClosed)]);
+    }
+
+    #[test]
+    fn a_leaving_agent_gets_no_new_dials_and_closes_its_session_itself() {
+        let mut s = life();
+        assert_eq!(s.on(Event::AgentLeaving), vec![Action::StopRouting]);
+        assert_eq!(s.closed(), None, "open streams finish first");
         assert_eq!(s.on(Event::ControlClosed), vec![Action::Close(CloseReason::AgentClosed)]);
     }
 

@@ -36,6 +36,12 @@ pub struct AgentConfig {
     /// Longest time a dial to a node-side target may take.
     #[serde(default = "defaults::dial_timeout")]
     pub dial_timeout: HumanDuration,
+    /// On SIGTERM: how long open streams (exec, logs -f, the kubelet's own connections through the
+    /// node -> control-plane listeners) may take to finish before the agent closes its sessions
+    /// and exits. New node-side connections are refused and the gateway routes no new dials here
+    /// meanwhile. 0: close at once.
+    #[serde(default = "defaults::shutdown_grace_period")]
+    pub shutdown_grace_period: HumanDuration,
     /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
     #[serde(default = "defaults::admin")]
     pub admin_listen: SocketAddr,
@@ -251,6 +257,9 @@ mod defaults {
     pub fn duplicate_retry_max() -> HumanDuration {
         Duration::from_secs(2).into()
     }
+    pub fn shutdown_grace_period() -> HumanDuration {
+        Duration::from_secs(20).into()
+    }
     pub fn drain_reconnect_window() -> HumanDuration {
         Duration::from_secs(5).into()
     }
@@ -341,6 +350,9 @@ impl AgentConfig {
             if gw.proxy.username.is_none() {
                 problems.push("gateway.proxy.password_file: also set gateway.proxy.username".into());
             }
+        }
+        if self.shutdown_grace_period.0 > Duration::from_secs(3600) {
+            problems.push("shutdown_grace_period: at most 1h (default 20s)".into());
         }
         if gw.pool.drain_reconnect_window.0 > Duration::from_secs(600) {
             problems.push("gateway.pool.drain_reconnect_window: at most 10m (default 5s)".into());

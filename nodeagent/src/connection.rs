@@ -13,8 +13,8 @@ use tether_tunnel::client::{self, ClientSettings, ConnectError};
 use tether_tunnel::framed::{FrameError, forward_frames, read_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxSettings, MuxStream, Role, Session};
 use tether_tunnel::protocol::{
-    ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION, StreamOpen,
-    StreamResult, TokenRefresh, Welcome,
+    ControlMessage, ControlOpen, Hello, Identifiers, Leaving, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION,
+    StreamOpen, StreamResult, TokenRefresh, Welcome,
 };
 use tokio::io::WriteHalf;
 
@@ -51,6 +51,8 @@ pub struct ConnectionContext {
     pub duplicate_retry_max: Duration,
     /// Longest random pause before dialing again after a drain message.
     pub drain_reconnect_window: Duration,
+    /// On stop: how long open streams may take to finish.
+    pub shutdown_grace_period: Duration,
 }
 
 /// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
@@ -545,8 +547,18 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                 }
             }
             () = stop.cancelled() => {
-                session.close();
-                break SessionEnd::Stopped;
+                let grace = ctx.shutdown_grace_period;
+                let leaving = ControlMessage::Leaving(Leaving {
+                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                    reason: "agent shutting down".into(),
+                });
+                if grace.is_zero() || send(&mut control_write, &leaving).await.is_err() {
+                    break SessionEnd::Stopped;
+                }
+                let open = session.open_streams().saturating_sub(1);
+                tracing::info!(server = %welcome.server_id, open_streams = open, grace_ms = grace.as_millis() as u64, "stopping: told the gateway; open streams may finish");
+                finish_draining(session, incoming, (control_write, reader, messages), ctx.clone(), grace).await;
+                return SessionEnd::Stopped;
             }
         }
     };

@@ -111,6 +111,7 @@ impl Agent {
             tasks: TaskTracker::new(),
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
             drain_reconnect_window: gw.pool.drain_reconnect_window.0,
+            shutdown_grace_period: config.shutdown_grace_period.0,
         });
         let admin = TcpListener::bind(config.admin_listen)
             .await

@@ -237,6 +237,10 @@ pub enum ControlMessage {
     IdentifiersUpdate(Identifiers),
     /// Gateway -> agent: the number of gateway replicas changed (scale-out or scale-in).
     ServerCount(ServerCount),
+    /// Agent -> gateway: the agent is stopping; route no new dials to this session, while the
+    /// streams already open finish (the agent closes the session when they are done or its grace
+    /// period is over).
+    Leaving(Leaving),
     /// A message this peer does not know; ignored.
     #[serde(other)]
     Unknown,
@@ -305,6 +309,16 @@ fn one() -> u32 {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Drain {
     /// Milliseconds until the gateway closes the session.
+    pub deadline_ms: u64,
+    /// Why, for logs.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// The agent is going away.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leaving {
+    /// Milliseconds until the agent closes the session at the latest.
     pub deadline_ms: u64,
     /// Why, for logs.
     #[serde(default)]

@@ -423,3 +423,44 @@ async fn aborted_downloads_free_the_stream_and_the_node_side_connection() {
         );
     }
 }
+
+/// SIGTERM to the agent: a long stream open through it (`logs -f`-like) keeps flowing; the agent
+/// tells the gateway it is leaving, so new dials get no agent at once (instead of a dead one), and
+/// the agent exits as soon as the stream is done, well within `shutdown_grace_period` (20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_to_the_agent_lets_open_streams_finish_then_exits() {
+    let mut bins = start(false, "20s").await;
+    let mut stream =
+        tether_loadtest::connect_client::connect_tcp(bins.frontend, &bins.firehose.to_string()).await.unwrap().unwrap();
+    stream.write_all(b"follow").await.unwrap();
+    let mut chunk = vec![0u8; 64 * 1024];
+    stream.read_exact(&mut chunk).await.unwrap();
+    bins.agent.terminate();
+    let gateway_log = || bins.gateway.log_text();
+    assert!(
+        tether_e2e::bins::eventually(Duration::from_secs(5), async || gateway_log().contains("agent is leaving")).await,
+        "the gateway was not told:\n{}\n{}",
+        bins.gateway.log_text(),
+        bins.agent.log_text()
+    );
+    // The open stream still carries data after SIGTERM...
+    let mut after = 0usize;
+    while after < 4 << 20 {
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => after += n,
+            other => panic!("the open stream broke after SIGTERM ({other:?}) after {after} bytes"),
+        }
+    }
+    // ...while a new dial is not given to the leaving agent: the gateway waits for the node's agent
+    // to come back (a restarted agent would take it) and answers 503 at the dial timeout.
+    let frontend = bins.frontend;
+    let target = bins.node.to_string();
+    let dial = tokio::spawn(async move { tether_loadtest::connect_client::connect_tcp(frontend, &target).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(stream);
+    let status = bins.agent.wait(Duration::from_secs(8)).await.expect("the agent did not exit after its streams");
+    assert!(status.success(), "{status:?}\n{}", bins.agent.log_text());
+    let refused = dial.await.unwrap().unwrap().unwrap_err();
+    assert_eq!(refused.status, 503, "{}", refused.reason);
+    assert!(bins.agent.log_text().contains("open streams may finish"), "{}", bins.agent.log_text());
+}
