@@ -226,8 +226,8 @@ async fn serve(
             }
             stream = incoming.accept() => match stream {
                 Some(stream) => {
-                    let (tenant, agent_id) = (tenant.clone(), agent_id.clone());
-                    lifecycle.spawn_connection(async move { serve_inbound(stream, &tenant, &agent_id).await });
+                    let (tenant, agent_id, replica) = (tenant.clone(), agent_id.clone(), settings.server_id.clone());
+                    lifecycle.spawn_connection(async move { serve_inbound(stream, &tenant, &agent_id, &replica).await });
                     continue;
                 }
                 None => Event::TransportEnded,
@@ -362,14 +362,14 @@ async fn refresh_token(
 
 /// Streams agents open towards the gateway: forward streams go to the allow-listed control-plane
 /// targets; other kinds are refused with a reason.
-async fn serve_inbound(mut stream: MuxStream, tenant: &Tenant, agent_id: &str) {
+async fn serve_inbound(mut stream: MuxStream, tenant: &Tenant, agent_id: &str, replica: &str) {
     let header =
         tokio::time::timeout(crate::forward::HEADER_TIMEOUT, read_raw_frame(&mut stream, MAX_STREAM_FRAME)).await;
     // A stream that sends nothing, or an oversized or broken header, is reset by dropping it.
     let Ok(Ok(raw)) = header else { return };
     let refusal = match protocol::decode::<StreamOpen>(&raw, MAX_STREAM_FRAME) {
         Ok(Some((StreamOpen::Forward(request), _))) => {
-            return crate::forward::serve(stream, tenant, &request.target, agent_id).await;
+            return crate::forward::serve(stream, tenant, &request.target, agent_id, replica).await;
         }
         Ok(Some((StreamOpen::Control(_), _))) => {
             StreamResult::refused(ErrorCode::BadRequest, "a session has exactly one control stream")

@@ -140,6 +140,10 @@ pub struct Dialed {
     pub stream: DialedStream,
     /// Who carries it: an agent id, or `via <replica>`.
     pub carrier: String,
+    /// The agent, when this replica's own agent carries it.
+    pub agent: Option<String>,
+    /// The peer replica it goes through, if any.
+    pub via_replica: Option<String>,
     _load: Option<StreamGuard>,
     _permit: OwnedSemaphorePermit,
     _open: OpenStreamGauge,
@@ -214,9 +218,12 @@ impl Dialer {
             match self.open(tenant, &route, &request, target, timeout).await {
                 Ok((stream, load)) => {
                     tracing::debug!(tenant = %tenant.name, %target, carrier = %route.carrier(), "dial established");
+                    let (agent, via_replica) = route.parties();
                     return Ok(Dialed {
                         stream,
                         carrier: route.carrier(),
+                        agent,
+                        via_replica,
                         _load: load,
                         _permit: permit,
                         _open: OpenStreamGauge::new(&tenant.name),

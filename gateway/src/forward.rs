@@ -14,18 +14,34 @@ use tether_tunnel::protocol::{ErrorCode, MAX_STREAM_FRAME, StreamResult};
 use tether_tunnel::splice::{Direction, splice_mux};
 use tokio::net::TcpStream;
 
+use crate::audit;
 use crate::config::ForwardTarget;
 use crate::metrics::{FORWARD_BYTES, FORWARD_CONNECT_DURATION, FORWARDS, FORWARDS_OPEN};
 use crate::target::{DialTarget, TargetHost};
 use crate::tenant::Tenant;
 
-/// Serves one forward stream from an agent of `tenant`.
-pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agent_id: &str) {
+/// Serves one forward stream from an agent of `tenant`; one audit line for it.
+pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agent_id: &str, replica: &str) {
     let config = tenant.config();
+    let shown = printable(requested, 64);
     let listed = config.node_to_controlplane.as_ref().and_then(|n2c| n2c.targets.iter().find(|t| t.name == requested));
     // Metric labels: configured names only; anything else an agent sends is "unlisted".
     let label = listed.map(|t| t.name.clone()).unwrap_or_else(|| "unlisted".into());
     let started = Instant::now();
+    let address = listed.map(|t| t.address.as_str()).unwrap_or_default();
+    let audit = |result: &str, to_cp: u64, from_cp: u64| {
+        audit::forward(&audit::Forward {
+            tenant: &tenant.name,
+            agent: agent_id,
+            target: &shown,
+            address,
+            replica,
+            result,
+            bytes_to_controlplane: to_cp,
+            bytes_from_controlplane: from_cp,
+            started,
+        });
+    };
     let outcome = match listed {
         Some(target) => connect(tenant, target).await,
         None if config.node_to_controlplane.is_none() => Err(StreamResult::refused(
@@ -34,7 +50,7 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
         )),
         None => Err(StreamResult::refused(
             ErrorCode::NotAllowed,
-            format!("{:?} is not on cluster {}'s node_to_controlplane list", printable(requested, 64), tenant.name),
+            format!("{shown:?} is not on cluster {}'s node_to_controlplane list", tenant.name),
         )),
     };
     let result_label = match &outcome {
@@ -49,10 +65,11 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
             tracing::info!(
                 tenant = %tenant.name,
                 agent = %agent_id,
-                target = %printable(requested, 64),
+                target = %shown,
                 reason = refusal.message.as_deref().unwrap_or_default(),
                 "forward refused"
             );
+            audit(result_label, 0, 0);
             let _ = write_frame(&mut stream, &refusal, MAX_STREAM_FRAME).await;
             return;
         }
@@ -60,18 +77,27 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
     metrics::histogram!(FORWARD_CONNECT_DURATION, "tenant" => tenant.name.to_string(), "target" => label.clone())
         .record(started.elapsed().as_secs_f64());
     if write_frame(&mut stream, &StreamResult::ok(), MAX_STREAM_FRAME).await.is_err() {
+        audit("tunnel_error", 0, 0);
         return;
     }
+    let (sent, received) = (audit::ByteCount::default(), audit::ByteCount::default());
     let open = metrics::gauge!(FORWARDS_OPEN, "tenant" => tenant.name.to_string(), "target" => label.clone());
     open.increment(1.0);
     let to_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "tenant" => tenant.name.to_string(), "target" => label, "direction" => "from_controlplane");
     let copied = splice_mux(&mut upstream, &mut stream, |direction, n| match direction {
-        Direction::AToB => from_cp.increment(n as u64),
-        Direction::BToA => to_cp.increment(n as u64),
+        Direction::AToB => {
+            from_cp.increment(n as u64);
+            received.add(n);
+        }
+        Direction::BToA => {
+            to_cp.increment(n as u64);
+            sent.add(n);
+        }
     })
     .await;
     open.decrement(1.0);
+    audit("ok", sent.get(), received.get());
     if let Err(e) = copied {
         tracing::debug!(tenant = %tenant.name, agent = %agent_id, error = %e, "forwarded connection ended with an error");
     }

@@ -21,6 +21,7 @@
 pub mod admin;
 pub mod agent_endpoint;
 pub mod agent_session;
+pub mod audit;
 pub mod auth;
 pub mod certs;
 pub mod claims;

@@ -41,6 +41,14 @@ pub enum Route {
 }
 
 impl Route {
+    /// The agent a local route uses, and the replica a peer route goes through.
+    pub fn parties(&self) -> (Option<String>, Option<String>) {
+        match self {
+            Self::Local(session) => (Some(session.agent_id.clone()), None),
+            Self::Peer { server_id, .. } => (None, Some(server_id.clone())),
+        }
+    }
+
     /// Who carries the dial: an agent id, or `via <replica>`.
     pub fn carrier(&self) -> String {
         match self {

@@ -155,6 +155,7 @@ impl Gateway {
         let dialer = Dialer::new(peers.clone());
         let frontend_context = Arc::new(FrontendContext {
             dialer: dialer.clone(),
+            server_id: config.server_id(),
             lifecycle: lifecycle.clone(),
             settings: FrontendSettings::from_config(&config),
         });

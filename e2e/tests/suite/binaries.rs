@@ -30,6 +30,11 @@ struct Bins {
 
 /// Gateway and agent binaries with dev credentials; the frontend uses mutual TLS if `mtls`.
 async fn start(mtls: bool, grace: &str) -> Bins {
+    start_with_env(mtls, grace, &[]).await
+}
+
+/// Like [`start`], with extra environment for the gateway.
+async fn start_with_env(mtls: bool, grace: &str, gateway_env: &[(&str, &str)]) -> Bins {
     let dir = ScratchDir::new("tether-bins").unwrap();
     let ca = DevCa::create(dir.path(), "e2e").unwrap();
     let issuer = DevIssuer::create(dir.path(), "e2e", "https://issuer.e2e.local", IssuerKey::Rs256).unwrap();
@@ -93,9 +98,14 @@ async fn start(mtls: bool, grace: &str) -> Bins {
     let agent_file = dir.path().join("agent.yaml");
     std::fs::write(&agent_file, serde_json::to_string_pretty(&agent_config).unwrap()).unwrap();
 
-    let gateway =
-        Process::spawn("tether-gateway", &["--config", gateway_file.to_str().unwrap()], &[], dir.path(), "gateway")
-            .unwrap();
+    let gateway = Process::spawn(
+        "tether-gateway",
+        &["--config", gateway_file.to_str().unwrap()],
+        gateway_env,
+        dir.path(),
+        "gateway",
+    )
+    .unwrap();
     assert!(
         wait_ready(gateway_admin, "/readyz", Duration::from_secs(20)).await,
         "gateway not ready:\n{}",
@@ -463,4 +473,59 @@ async fn sigterm_to_the_agent_lets_open_streams_finish_then_exits() {
     let refused = dial.await.unwrap().unwrap().unwrap_err();
     assert_eq!(refused.status, 503, "{}", refused.reason);
     assert!(bins.agent.log_text().contains("open streams may finish"), "{}", bins.agent.log_text());
+}
+
+/// The audit log: one JSON line per dial with the stable fields (docs/operations.md), here for a
+/// dial through the mutual-TLS frontend (with the kube-apiserver's certificate name) and a
+/// refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dial_leaves_one_audit_line_with_its_outcome() {
+    let bins = start_with_env(true, "5s", &[("TETHER__LOG__FORMAT", "json")]).await;
+    let proxy = format!("https://127.0.0.1:{}", bins.frontend.port());
+    let ca = bins.ca.ca_cert.display().to_string();
+    let cert = bins.client_cert.cert.display().to_string();
+    let key = bins.client_cert.key.display().to_string();
+    for url in [format!("http://{}/audited", bins.node), "http://127.0.0.1:1/refused".to_owned()] {
+        let (p, c, ce, k) = (proxy.clone(), ca.clone(), cert.clone(), key.clone());
+        tokio::task::spawn_blocking(move || {
+            curl(&["-p", "-x", &p, "--proxy-cacert", &c, "--proxy-cert", &ce, "--proxy-key", &k, &url])
+        })
+        .await
+        .unwrap();
+    }
+    let audit_lines = || -> Vec<serde_json::Value> {
+        bins.gateway
+            .log_text()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "audit")
+            .collect()
+    };
+    assert!(
+        tether_e2e::bins::eventually(Duration::from_secs(5), async || audit_lines().len() >= 2).await,
+        "{}",
+        bins.gateway.log_text()
+    );
+    let lines = audit_lines();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    let ok = lines.iter().find(|l| l["result"] == "ok").expect("the served dial");
+    for (field, value) in [
+        ("event", "dial"),
+        ("tenant", "e2e"),
+        ("frontend", "tcp+mtls"),
+        ("client_name", "kube-apiserver"),
+        ("destination", &bins.node.to_string()),
+        ("replica", "gw-e2e"),
+        ("agent", "node-1"),
+        ("via_replica", ""),
+    ] {
+        assert_eq!(ok[field], value, "{field} in {ok}");
+    }
+    assert_eq!(ok["status"], 200);
+    assert!(ok["bytes_to_node"].as_u64().unwrap() > 0 && ok["bytes_from_node"].as_u64().unwrap() > 0, "{ok}");
+    assert!(ok["duration_ms"].is_u64(), "{ok}");
+    let refused = lines.iter().find(|l| l["result"] != "ok").expect("the refused dial");
+    assert_eq!(refused["destination"], "127.0.0.1:1");
+    assert!(refused["status"].as_u64().unwrap() >= 400, "{refused}");
+    assert_eq!(refused["bytes_to_node"], 0);
 }

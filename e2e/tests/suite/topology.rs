@@ -152,6 +152,21 @@ async fn a_node_reaches_the_control_plane_only_through_tether_with_tls_untouched
     let (_, metrics) = http_get(admin, "/metrics").await.unwrap();
     assert!(metric_sum(&metrics, "tether_gateway_forwards_total", "result=\"ok\"") >= 2.0, "{metrics}");
     assert!(metric_sum(&metrics, "tether_gateway_forward_bytes_total", "from_controlplane") > 0.0);
+    // One audit line per forward, with its outcome and bytes.
+    let log = gateway.log_text();
+    let audited: Vec<&str> =
+        log.lines().filter(|l| l.contains(" audit: forward") && l.contains("destination=\"kube-apiserver\"")).collect();
+    assert!(audited.len() >= 2, "{log}");
+    let bytes_back = |line: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix("bytes_from_controlplane="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_default()
+    };
+    assert!(
+        audited.iter().all(|l| l.contains("result=\"ok\"") && l.contains("agent=\"node-1\"") && bytes_back(l) > 0),
+        "{audited:#?}"
+    );
 }
 
 /// Kills a child process when dropped.

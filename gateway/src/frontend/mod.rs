@@ -14,19 +14,21 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tether_tunnel::splice::{Direction, splice, splice_mux};
 use tether_tunnel::tls::{self, ReloadableCert};
+use tether_tunnel::untrusted::printable;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
+use crate::audit;
 use crate::certs::CertRegistry;
 use crate::config::TenantConfig;
-use crate::dial::{DialedStream, Dialer};
+use crate::dial::{Dialed, DialedStream, Dialer};
 use crate::error::SetupError;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::BYTES;
@@ -39,6 +41,8 @@ use connect::{ESTABLISHED, error_response, read_request};
 pub struct FrontendContext {
     /// Opens the dials.
     pub dialer: Dialer,
+    /// This replica's id (audit log).
+    pub server_id: String,
     /// Drain and stop.
     pub lifecycle: Arc<Lifecycle>,
     /// Timeouts.
@@ -252,8 +256,8 @@ async fn serve_uds(
         match accepted {
             Ok((stream, _)) => {
                 let (tenant, context) = (tenant.clone(), context.clone());
-                lifecycle
-                    .spawn_connection(async move { serve_connection(stream, tenant, &context, "unix socket").await });
+                let client = Client { frontend: "unix", peer: String::new(), name: None };
+                lifecycle.spawn_connection(async move { serve_connection(stream, tenant, &context, client).await });
             }
             Err(e) => accept_failed(&tenant, &e).await,
         }
@@ -290,12 +294,24 @@ async fn serve_tcp(
             // Each branch is boxed: a task lives as long as its tunnelled connection, and an
             // unboxed future would reserve room for the TLS handshake and every branch.
             match tls {
-                None => Box::pin(serve_connection(stream, tenant, &context, &peer)).await,
+                None => {
+                    let client = Client { frontend: "tcp", peer, name: None };
+                    Box::pin(serve_connection(stream, tenant, &context, client)).await;
+                }
                 Some(acceptor) => {
                     let timeout = context.settings.handshake_timeout;
                     let accepted = Box::pin(tokio::time::timeout(timeout, acceptor.accept(stream))).await;
                     match accepted {
-                        Ok(Ok(tls_stream)) => Box::pin(serve_connection(tls_stream, tenant, &context, &peer)).await,
+                        Ok(Ok(tls_stream)) => {
+                            let name = client_cert_names(tls_stream.get_ref().1).into_iter().next();
+                            let frontend = if tls_stream.get_ref().1.peer_certificates().is_some() {
+                                "tcp+mtls"
+                            } else {
+                                "tcp+tls"
+                            };
+                            let client = Client { frontend, peer, name };
+                            Box::pin(serve_connection(tls_stream, tenant, &context, client)).await;
+                        }
                         Ok(Err(e)) => {
                             tracing::info!(tenant = %tenant.name, %peer, error = %e, "frontend TLS handshake failed");
                         }
@@ -313,11 +329,50 @@ async fn accept_failed(tenant: &Tenant, e: &std::io::Error) {
     tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
-/// One CONNECT exchange and, when it succeeds, the tunnelled connection.
-pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: &FrontendContext, peer: &str)
+/// Who is on the other end of a frontend connection (for logs and the audit log).
+pub struct Client {
+    /// Which frontend: `unix`, `tcp`, `tcp+tls`, `tcp+mtls`, `shared`.
+    pub frontend: &'static str,
+    /// The client's address (empty on a Unix socket).
+    pub peer: String,
+    /// The first DNS name of its verified client certificate.
+    pub name: Option<String>,
+}
+
+/// The DNS names of a TLS connection's verified client certificate.
+pub fn client_cert_names(connection: &rustls::ServerConnection) -> Vec<String> {
+    connection
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|cert| webpki::EndEntityCert::try_from(cert).ok())
+        .map(|cert| cert.valid_dns_names().map(str::to_ascii_lowercase).collect())
+        .unwrap_or_default()
+}
+
+/// One CONNECT exchange and, when it succeeds, the tunnelled connection; one audit line for it.
+pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: &FrontendContext, who: Client)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let peer = who.peer.as_str();
+    let started = Instant::now();
+    let audit = |target: &str, result: &str, status: u16, dialed: Option<&Dialed>, bytes: (u64, u64)| {
+        audit::dial(&audit::Dial {
+            tenant: &tenant.name,
+            frontend: who.frontend,
+            peer,
+            client_name: who.name.as_deref(),
+            target,
+            replica: &context.server_id,
+            agent: dialed.and_then(|d| d.agent.as_deref()),
+            via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
+            result,
+            status,
+            bytes_to_node: bytes.0,
+            bytes_from_node: bytes.1,
+            started,
+        });
+    };
     let request_timeout = context.settings.connect_request_timeout;
     let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
@@ -338,46 +393,61 @@ where
     let target = match DialTarget::parse(&request.target) {
         Ok(target) => target,
         Err(reason) => {
+            audit(&printable(&request.target, 256), "bad_request", 400, None, (0, 0));
             let _ = client.write_all(&error_response(400, &reason.to_string())).await;
             return;
         }
     };
+    let shown = target.to_string();
     // Boxed so the connection's long-lived future does not keep room for the dial's states.
     let mut dialed = match Box::pin(context.dialer.dial(&tenant, &target)).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
+            audit(&shown, e.label(), e.status(), None, (0, 0));
             let _ = client.write_all(&error_response(e.status(), &e.to_string())).await;
             return;
         }
     };
-    if client.write_all(ESTABLISHED).await.is_err() {
-        return;
-    }
-    if !request.early_data.is_empty() && dialed.stream.write_all(&request.early_data).await.is_err() {
-        return;
-    }
-    let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");
-    let from_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "from_agent");
-    to_agent.increment(request.early_data.len() as u64);
-    let count = |direction, n: usize| match direction {
-        Direction::AToB => to_agent.increment(n as u64),
-        Direction::BToA => from_agent.increment(n as u64),
-    };
-    let copy = async {
-        match &mut dialed.stream {
-            DialedStream::Local(stream) => splice_mux(&mut client, stream, count).await,
-            peer => splice(&mut client, peer, count).await,
+    let (sent, received) = (audit::ByteCount::default(), audit::ByteCount::default());
+    let tunnelled = async {
+        if client.write_all(ESTABLISHED).await.is_err() {
+            return;
         }
-    };
-    tokio::select! {
-        result = copy => {
-            if let Err(e) = result {
-                tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.carrier, error = %e, "tunnelled connection ended with an error");
+        if !request.early_data.is_empty() && dialed.stream.write_all(&request.early_data).await.is_err() {
+            return;
+        }
+        let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");
+        let from_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "from_agent");
+        to_agent.increment(request.early_data.len() as u64);
+        sent.add(request.early_data.len());
+        let count = |direction, n: usize| match direction {
+            Direction::AToB => {
+                to_agent.increment(n as u64);
+                sent.add(n);
+            }
+            Direction::BToA => {
+                from_agent.increment(n as u64);
+                received.add(n);
+            }
+        };
+        let copy = async {
+            match &mut dialed.stream {
+                DialedStream::Local(stream) => splice_mux(&mut client, stream, count).await,
+                peer => splice(&mut client, peer, count).await,
+            }
+        };
+        tokio::select! {
+            result = copy => {
+                if let Err(e) = result {
+                    tracing::debug!(tenant = %tenant.name, %peer, %target, agent = %dialed.carrier, error = %e, "tunnelled connection ended with an error");
+                }
+            }
+            () = context.lifecycle.hard_stop().cancelled() => {
+                tracing::info!(tenant = %tenant.name, %peer, %target, "closing tunnelled connection: drain grace period over");
             }
         }
-        () = context.lifecycle.hard_stop().cancelled() => {
-            tracing::info!(tenant = %tenant.name, %peer, %target, "closing tunnelled connection: drain grace period over");
-        }
-    }
+    };
+    tunnelled.await;
+    audit(&shown, "ok", 200, Some(&dialed), (sent.get(), received.get()));
 }

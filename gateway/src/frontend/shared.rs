@@ -4,13 +4,12 @@
 
 use std::sync::Arc;
 
-use rustls::pki_types::CertificateDer;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::connect::error_response;
-use super::{FrontendContext, serve_connection};
+use super::{Client, FrontendContext, client_cert_names, serve_connection};
 use crate::tenant::{Tenant, TenantSet};
 
 /// Serves the shared frontend until the gateway drains.
@@ -46,9 +45,12 @@ pub async fn serve(
                 }
                 Err(_) => return,
             };
-            let names = tls.get_ref().1.peer_certificates().and_then(|c| c.first()).map(dns_names).unwrap_or_default();
+            let names = client_cert_names(tls.get_ref().1);
             match tenant_for(&tenants, &names) {
-                Ok(tenant) => serve_connection(tls, tenant, &context, &peer.to_string()).await,
+                Ok(tenant) => {
+                    let client = Client { frontend: "shared", peer: peer.to_string(), name: names.first().cloned() };
+                    serve_connection(tls, tenant, &context, client).await;
+                }
                 Err(reason) => {
                     tracing::warn!(%peer, names = ?names, %reason, "shared frontend client refused");
                     let _ = tls.write_all(&error_response(403, &reason.to_string())).await;
@@ -57,13 +59,6 @@ pub async fn serve(
             }
         });
     }
-}
-
-/// The DNS names of a (verified) client certificate.
-fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
-    webpki::EndEntityCert::try_from(cert)
-        .map(|cert| cert.valid_dns_names().map(str::to_ascii_lowercase).collect())
-        .unwrap_or_default()
 }
 
 /// Why a client certificate maps to no tenant.
