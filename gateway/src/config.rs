@@ -200,6 +200,16 @@ pub struct GlobalLimits {
     /// control-plane downloads). 0 keeps every stream at 256 KiB per round trip.
     #[serde(default = "defaults::window_growth_mib")]
     pub window_growth_per_agent_mib: usize,
+    /// Agent connections in their handshake at once (PROXY header, TLS, upgrade, token check);
+    /// more are closed at once, before any work is spent on them.
+    #[serde(default = "defaults::max_handshakes")]
+    pub max_handshakes: usize,
+    /// New agent connections per second from one source address (the PROXY protocol's client
+    /// address when that is on), with twice that as a burst; 0 (default): no per-source limit.
+    /// Behind a load balancer without the PROXY protocol every agent has the balancer's address:
+    /// leave it off there.
+    #[serde(default)]
+    pub handshakes_per_source: u32,
 }
 
 impl Default for GlobalLimits {
@@ -211,6 +221,8 @@ impl Default for GlobalLimits {
             connect_request_timeout: defaults::request_timeout(),
             ws_read_buffer_size: defaults::ws_read_buffer(),
             window_growth_per_agent_mib: defaults::window_growth_mib(),
+            max_handshakes: defaults::max_handshakes(),
+            handshakes_per_source: 0,
         }
     }
 }
@@ -575,6 +587,9 @@ mod defaults {
     pub fn dial_timeout() -> HumanDuration {
         Duration::from_secs(10).into()
     }
+    pub fn max_handshakes() -> usize {
+        2_048
+    }
     pub fn dials_per_second() -> u32 {
         1_000
     }
@@ -634,6 +649,9 @@ impl GatewayConfig {
         }
         if self.keepalive.ping_timeout.0 < Duration::from_secs(1) {
             problems.push(problem("keepalive.ping_timeout", "must be at least 1s (default 20s)"));
+        }
+        if self.limits.max_handshakes == 0 {
+            problems.push(problem("limits.max_handshakes", "must be at least 1 (default 2048)"));
         }
         if self.limits.max_streams_per_agent == 0 || self.limits.max_streams_per_agent > 1_000_000 {
             problems.push(problem("limits.max_streams_per_agent", "must be between 1 and 1000000"));

@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admission;
 pub mod agent_endpoint;
 pub mod agent_session;
 pub mod audit;

@@ -39,6 +39,9 @@ pub const CONFIG_LAST_RELOAD_OK: &str = "tether_gateway_config_last_reload_succe
 pub const DRAINING: &str = "tether_gateway_draining";
 /// Agent claims (addresses, networks, host names, default route) refused, by tenant and reason.
 pub const CLAIMS_REFUSED: &str = "tether_gateway_claims_refused_total";
+/// Agent connections closed before their handshake, by reason (`too_many_handshakes`,
+/// `source_rate`).
+pub const CONNECTIONS_REFUSED: &str = "tether_gateway_connections_refused_total";
 /// Build information.
 pub const BUILD_INFO: &str = "tether_gateway_build_info";
 
@@ -67,6 +70,7 @@ pub fn describe() {
         CLAIMS_REFUSED,
         "Agent claims refused because another node holds them or the configuration does not allow them."
     );
+    describe_counter!(CONNECTIONS_REFUSED, "Agent connections closed before their handshake (admission limits).");
     describe_gauge!(BUILD_INFO, "Build information.");
     metrics::gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     metrics::gauge!(DRAINING).set(0.0);

@@ -19,6 +19,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
+use crate::admission::Admission;
 use crate::agent_endpoint::{self, AgentEndpoint, ConnInfo};
 use crate::agent_session::Sessions;
 use crate::certs::{CertRegistry, Fingerprint};
@@ -284,7 +285,9 @@ impl Gateway {
             metrics::gauge!(REPLICAS).set(1.0);
         }
         let endpoint = Arc::new(AgentEndpoint { tenants: tenants.clone(), sessions, listen: config.listen.clone() });
-        let agent_listener = tokio::spawn(serve_agents(agents, agent_tls, endpoint, config.limits.handshake_timeout.0));
+        let admission = Arc::new(Admission::new(config.limits.max_handshakes, config.limits.handshakes_per_source));
+        let agent_listener =
+            tokio::spawn(serve_agents(agents, agent_tls, endpoint, admission, config.limits.handshake_timeout.0));
         for (tenant, bound) in bound_frontends {
             frontends.replace(&tenant, bound, &frontend_context).await;
         }
@@ -388,6 +391,7 @@ async fn serve_agents(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     endpoint: Arc<AgentEndpoint>,
+    admission: Arc<Admission>,
     handshake_timeout: Duration,
 ) {
     let lifecycle = endpoint.sessions.lifecycle.clone();
@@ -404,8 +408,13 @@ async fn serve_agents(
                 continue;
             }
         };
+        // Before any work: a connection over the handshake limit is closed at once.
+        let Ok(slot) = admission.handshake_slot() else {
+            tracing::debug!(%peer, "agent connection closed: too many handshakes in progress (limits.max_handshakes)");
+            continue;
+        };
         let _ = stream.set_nodelay(true);
-        let (tls, endpoint) = (tls.clone(), endpoint.clone());
+        let (tls, endpoint, admission) = (tls.clone(), endpoint.clone(), admission.clone());
         tokio::spawn(async move {
             let mut stream = stream;
             let mut peer = peer;
@@ -427,6 +436,10 @@ async fn serve_agents(
                         return;
                     }
                 }
+            }
+            if admission.check_source(peer.ip()).is_err() {
+                tracing::debug!(%peer, "agent connection closed: its address opens connections too fast (limits.handshakes_per_source)");
+                return;
             }
             let (transport, sni) = match tls {
                 None => (Transport::Plain(stream), None),
@@ -453,7 +466,11 @@ async fn serve_agents(
                 .max_buf_size(64 * 1024)
                 .serve_connection(TokioIo::new(transport), service)
                 .with_upgrades();
-            if let Err(e) = served.await {
+            // The slot is held until the connection is upgraded (hyper hands it over and this
+            // future ends) or closed.
+            let served = served.await;
+            drop(slot);
+            if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "agent HTTP connection ended with an error");
             }
         });

@@ -117,3 +117,86 @@ async fn a_spoofing_agent_gets_none_of_another_nodes_dials() {
     }
     d.shutdown().await;
 }
+
+/// Opens a TCP connection from `source` that never starts its TLS handshake; answers whether the
+/// gateway closed it at once (instead of waiting for the handshake).
+async fn closed_at_once(source: std::net::IpAddr, to: std::net::SocketAddr) -> (bool, tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(source, 0)).unwrap();
+    let mut stream = socket.connect(to).await.unwrap();
+    let mut byte = [0u8; 1];
+    let closed =
+        matches!(tokio::time::timeout(Duration::from_millis(300), stream.read(&mut byte)).await, Ok(Ok(0) | Err(_)));
+    (closed, stream)
+}
+
+/// Connections stuck before their TLS handshake (a slowloris flood) fill `limits.max_handshakes`;
+/// further ones are closed at once and counted, and once the stuck ones go, agents connect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_flood_is_capped_before_any_token_is_checked() {
+    let d = LocalDeployment::start(LocalOptions {
+        tweak_gateway: Some(Box::new(|config| config.limits.max_handshakes = 3)),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    let local: std::net::IpAddr = [127, 0, 0, 1].into();
+    let mut stuck = Vec::new();
+    for _ in 0..3 {
+        let (closed, stream) = closed_at_once(local, d.agent_addr).await;
+        assert!(!closed, "within the limit, a connection waits for its handshake");
+        stuck.push(stream);
+    }
+    let (closed, _) = closed_at_once(local, d.agent_addr).await;
+    assert!(closed, "over the limit, a connection is closed at once");
+    let token = d
+        .issuer
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None)
+        .unwrap();
+    let settings = d.client_settings().unwrap();
+    assert!(client::connect(&settings, Some(&token)).await.is_err(), "no slot for a real agent either");
+    drop(stuck);
+    let connected = tether_e2e::bins::eventually(Duration::from_secs(5), async || {
+        client::connect(&settings, Some(&token)).await.is_ok()
+    })
+    .await;
+    assert!(connected, "freed slots admit agents again");
+    let (_, metrics) = tether_loadtest::procs::http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert!(
+        tether_e2e::bins::metric_sum(
+            &metrics,
+            "tether_gateway_connections_refused_total",
+            "reason=\"too_many_handshakes\""
+        ) >= 2.0,
+        "{metrics}"
+    );
+    d.shutdown().await;
+}
+
+/// `limits.handshakes_per_source`: one address opening connections fast is cut off at its burst,
+/// while another address is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_opening_connections_fast_does_not_shut_out_others() {
+    let d = LocalDeployment::start(LocalOptions {
+        tweak_gateway: Some(Box::new(|config| config.limits.handshakes_per_source = 2)),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    let noisy: std::net::IpAddr = [127, 0, 0, 1].into();
+    let quiet: std::net::IpAddr = [127, 0, fastrand::u8(1..250), fastrand::u8(2..250)].into();
+    // Eight at once: a burst of 4 (twice the rate) is admitted, the rest closed.
+    let results = futures::future::join_all((0..8).map(|_| closed_at_once(noisy, d.agent_addr))).await;
+    let closed = results.iter().filter(|(was_closed, _)| *was_closed).count();
+    assert!((3..=4).contains(&closed), "{closed} of 8 fast connections were refused");
+    let (was_closed, _held) = closed_at_once(quiet, d.agent_addr).await;
+    assert!(!was_closed, "another address must not be affected");
+    let (_, metrics) = tether_loadtest::procs::http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert!(
+        tether_e2e::bins::metric_sum(&metrics, "tether_gateway_connections_refused_total", "reason=\"source_rate\"")
+            >= 2.0,
+        "{metrics}"
+    );
+    d.shutdown().await;
+}
