@@ -406,6 +406,10 @@ pub struct TokenReviewConfig {
     /// Limit per request.
     #[serde(default = "defaults::fetch_timeout")]
     pub timeout: HumanDuration,
+    /// TokenReview calls in flight at once; more wait (up to `timeout`, then the agent gets 503).
+    /// Agents presenting the same token share one call.
+    #[serde(default = "defaults::review_concurrency")]
+    pub max_concurrent: usize,
 }
 
 /// Where a tenant's kube-apiserver reaches the gateway (HTTP CONNECT, Konnectivity http-connect mode).
@@ -586,6 +590,9 @@ mod defaults {
     }
     pub fn dial_timeout() -> HumanDuration {
         Duration::from_secs(10).into()
+    }
+    pub fn review_concurrency() -> usize {
+        8
     }
     pub fn max_handshakes() -> usize {
         2_048

@@ -250,7 +250,14 @@ async fn verifier(config: &TenantConfig) -> Result<TokenVerifier, SetupError> {
             review.timeout.0,
         )
         .await?;
-        let reviewer = TokenReviewer::new(&review.server, client, auth.audiences.clone(), review.cache_ttl.0);
+        let reviewer = TokenReviewer::new(
+            &review.server,
+            client,
+            auth.audiences.clone(),
+            review.cache_ttl.0,
+            review.max_concurrent,
+            review.timeout.0,
+        );
         return Ok(TokenVerifier::with_token_review(settings, reviewer));
     }
     let min_refresh = auth.fetch.min_refresh_interval.0;

@@ -654,13 +654,19 @@ async fn the_shared_mtls_frontend_takes_the_tenant_from_the_client_certificate()
 /// A stand-in for the tenant's kube-apiserver TokenReview API (a real kube-apiserver cannot be
 /// installed here): Python's HTTPS server answering like the KAS and counting requests.
 const FAKE_TOKEN_REVIEW: &str = r#"
-import json, ssl, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import json, ssl, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 host, port, cert, key, good, count_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+lock, state = threading.Lock(), {"now": 0, "max": 0}
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_POST(self):
-        with open(count_file, "a") as f: f.write("x")
+        with lock:
+            state["now"] += 1; state["max"] = max(state["max"], state["now"])
+            with open(count_file, "a") as f: f.write("x")
+            with open(count_file + ".max", "w") as f: f.write(str(state["max"]))
+        time.sleep(0.2)  # a busy apiserver: calls overlap
+        with lock: state["now"] -= 1
         if self.path != "/apis/authentication.k8s.io/v1/tokenreviews" or self.headers.get("Authorization") != "Bearer reviewer-token":
             self.send_response(403); self.end_headers(); return
         review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -669,7 +675,7 @@ class H(BaseHTTPRequestHandler):
                   "extra": {"authentication.kubernetes.io/node-name": ["node-7"]}}} if ok else {"authenticated": False, "error": "invalid bearer token"}
         body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "status": status}).encode()
         self.send_response(201); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
-server = HTTPServer((host, port), H)
+server = ThreadingHTTPServer((host, port), H)
 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(cert, key)
 server.socket = ctx.wrap_socket(server.socket, server_side=True)
 server.serve_forever()
@@ -712,6 +718,7 @@ async fn token_review_asks_the_tenants_apiserver_and_caches_the_answer() {
                     "ca_file": ca.ca_cert,
                     "bearer_token_file": reviewer_token,
                     "cache_ttl": "60s",
+                    "max_concurrent": 2,
                 },
             },
             "frontend": { "uds": dir.path().join("review.sock") },
@@ -746,16 +753,28 @@ async fn token_review_asks_the_tenants_apiserver_and_caches_the_answer() {
     };
     let requests = || std::fs::read_to_string(&count_file).unwrap_or_default().len();
 
+    // Ten agents with the same token at once (a reconnect storm): one TokenReview call.
+    let storm = futures::future::join_all((0..10).map(|_| connect(good.clone()))).await;
+    assert!(storm.iter().all(Result::is_ok), "{storm:?}");
+    assert_eq!(requests(), 1, "concurrent checks of one token must share one call");
     assert_eq!(connect(good.clone()).await, Ok(()));
-    assert_eq!(connect(good.clone()).await, Ok(()));
-    assert_eq!(requests(), 1, "the second connect must be answered from the cache");
-    let stranger = DevIssuer::create(dir.path(), "stranger", "https://x", IssuerKey::Es256)
-        .unwrap()
-        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None)
-        .unwrap();
+    assert_eq!(requests(), 1, "a later connect must be answered from the cache");
+    let stranger_issuer = DevIssuer::create(dir.path(), "stranger", "https://x", IssuerKey::Es256).unwrap();
+    let stranger_token = |name: &str| {
+        stranger_issuer.service_account_token("kube-system", name, AUDIENCE, Duration::from_secs(600), None).unwrap()
+    };
+    let stranger = stranger_token("tether-agent");
     let (status, reason) = connect(stranger.clone()).await.unwrap_err();
     assert_eq!(status, 401, "{reason}");
     assert!(reason.contains("token review rejected"), "{reason}");
+    let (status, _) = connect(stranger.clone()).await.unwrap_err();
+    assert_eq!((status, requests()), (401, 2), "a rejection is remembered for a while");
+    // Eight different tokens at once: never more than token_review.max_concurrent (2) calls.
+    let distinct = futures::future::join_all((0..8).map(|i| connect(stranger_token(&format!("agent-{i}"))))).await;
+    assert!(distinct.iter().all(|r| matches!(r, Err((401, _)))), "{distinct:?}");
+    assert_eq!(requests(), 10);
+    let most = std::fs::read_to_string(count_file.with_extension("max")).unwrap_or_default();
+    assert_eq!(most.trim(), "2", "calls in flight at once");
     // With the apiserver unreachable, an unknown token cannot be checked: 503, retry later.
     let _ = kas.kill();
     let _ = kas.wait();
