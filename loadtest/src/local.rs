@@ -254,6 +254,8 @@ impl LocalDeployment {
         }))?;
         config.agent_id = Some(spec.id.clone());
         config.admin_listen = loopback(0);
+        // Tests stop agents with streams open; they need not wait the production grace period.
+        config.shutdown_grace_period = Duration::from_secs(1).into();
         config.gateway = GatewayConnection {
             ca_file: Some(self.ca.ca_cert.clone()),
             system_roots: Some(false),

@@ -213,11 +213,25 @@ pub struct ListenerConfig {
     pub bind: SocketAddr,
     /// Name of the control-plane target (in the tenant's gateway allow list).
     pub target: String,
+    /// Node-side connections open at once through this listener; more are closed at once
+    /// (counted as `result="too_many_connections"`).
+    #[serde(default = "defaults::max_connections")]
+    pub max_connections: usize,
+}
+
+impl ListenerConfig {
+    /// A listener on `bind` for `target`, with the default connection limit.
+    pub fn new(bind: SocketAddr, target: impl Into<String>) -> Self {
+        Self { bind, target: target.into(), max_connections: defaults::max_connections() }
+    }
 }
 
 mod defaults {
     use super::*;
 
+    pub fn max_connections() -> usize {
+        4096
+    }
     pub fn forward_wait() -> HumanDuration {
         Duration::from_secs(10).into()
     }
@@ -349,6 +363,11 @@ impl AgentConfig {
             }
             if gw.proxy.username.is_none() {
                 problems.push("gateway.proxy.password_file: also set gateway.proxy.username".into());
+            }
+        }
+        for (i, listener) in self.listeners.iter().enumerate() {
+            if listener.max_connections == 0 {
+                problems.push(format!("listeners[{i}].max_connections: must be at least 1 (default 4096)"));
             }
         }
         if self.shutdown_grace_period.0 > Duration::from_secs(3600) {

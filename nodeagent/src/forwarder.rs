@@ -14,6 +14,7 @@ use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::protocol::{ForwardRequest, MAX_STREAM_FRAME, StreamOpen, StreamResult};
 use tether_tunnel::splice::{Direction, splice_mux};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -26,9 +27,16 @@ pub struct ForwardListener {
     pub listener: TcpListener,
     /// The target name sent to the gateway.
     pub target: Arc<str>,
+    /// Connections open at once (`max_connections`).
+    slots: Arc<Semaphore>,
 }
 
 impl ForwardListener {
+    /// Forwards what `listener` accepts to `target`, at most `max_connections` at once.
+    pub fn new(listener: TcpListener, target: &str, max_connections: usize) -> Self {
+        Self { listener, target: target.into(), slots: Arc::new(Semaphore::new(max_connections.max(1))) }
+    }
+
     /// The address it listens on.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.listener.local_addr().ok()
@@ -55,9 +63,18 @@ pub async fn serve(listener: ForwardListener, ctx: ForwardContext, stop: Cancell
         };
         match accepted {
             Ok((client, peer)) => {
+                let Ok(slot) = listener.slots.clone().try_acquire_owned() else {
+                    metrics::counter!(FORWARDS, "target" => listener.target.to_string(), "result" => "too_many_connections")
+                        .increment(1);
+                    tracing::debug!(target = %listener.target, %peer, "node-side connection closed: max_connections reached");
+                    continue;
+                };
                 let _ = client.set_nodelay(true);
                 let (target, ctx2) = (listener.target.clone(), ctx.clone());
-                ctx.tasks.spawn(forward(client, peer, target, ctx2));
+                ctx.tasks.spawn(async move {
+                    forward(client, peer, target, ctx2).await;
+                    drop(slot);
+                });
             }
             Err(e) => {
                 tracing::warn!(target = %listener.target, error = %e, "forward listener accept failed");

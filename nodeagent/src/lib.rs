@@ -124,8 +124,11 @@ impl Agent {
                     listener.bind
                 )
             })?;
-            forward_listeners
-                .push(forwarder::ForwardListener { listener: bound, target: listener.target.as_str().into() });
+            forward_listeners.push(forwarder::ForwardListener::new(
+                bound,
+                listener.target.as_str(),
+                listener.max_connections,
+            ));
         }
         Ok(Self {
             context,

@@ -18,6 +18,16 @@ use crate::support::{echo_server, node_listener};
 
 /// A deployment whose single agent listens for `targets` (by name) and whose tenant allows `allowed`.
 async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<ForwardTarget>>) -> LocalDeployment {
+    deployment_with(tenant, listeners, allowed, 4096).await
+}
+
+/// Like [`deployment`], each listener taking at most `max_connections` at once.
+async fn deployment_with(
+    tenant: &str,
+    listeners: &[&str],
+    allowed: Option<Vec<ForwardTarget>>,
+    max_connections: usize,
+) -> LocalDeployment {
     let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
     let deployment = LocalDeployment::start(LocalOptions {
         tenant: tenant.into(),
@@ -33,8 +43,10 @@ async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<Forwar
         })),
         tweak_agent: Some(Arc::new(move |_, config| {
             config.forward_wait = Duration::from_secs(10).into();
-            config.listeners =
-                names.iter().map(|name| ListenerConfig { bind: loopback(0), target: name.clone() }).collect();
+            config.listeners = names
+                .iter()
+                .map(|name| ListenerConfig { max_connections, ..ListenerConfig::new(loopback(0), name.clone()) })
+                .collect();
         })),
         ..LocalOptions::default()
     })
@@ -221,5 +233,38 @@ async fn an_aborted_forwarded_connection_frees_both_sides() {
         ),
         20.0
     );
+    d.shutdown().await;
+}
+
+/// `listeners[].max_connections`: past the cap, a node-side connection is closed at once (and
+/// counted); a freed slot takes the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_takes_at_most_its_max_connections() {
+    let control_plane = echo_server().await;
+    let d =
+        deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2).await;
+    let listener = listener_for(&d, "kube-apiserver");
+    let roundtrip = async |stream: &mut TcpStream| -> bool {
+        let mut got = [0u8; 4];
+        stream.write_all(b"ping").await.is_ok()
+            && matches!(tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut got)).await, Ok(Ok(_)))
+    };
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(listener).await.unwrap();
+        assert!(roundtrip(&mut stream).await, "within the cap");
+        open.push(stream);
+    }
+    let mut third = TcpStream::connect(listener).await.unwrap();
+    assert!(!roundtrip(&mut third).await, "over the cap, the connection is closed");
+    drop(open.pop());
+    let freed = tether_e2e::bins::eventually(Duration::from_secs(5), async || {
+        let Ok(mut stream) = TcpStream::connect(listener).await else { return false };
+        roundtrip(&mut stream).await
+    })
+    .await;
+    assert!(freed, "a freed slot takes the next connection");
+    let (_, metrics) = http_get(d.agents[0].admin.unwrap(), "/metrics").await.unwrap();
+    assert!(metric_sum(&metrics, "tether_agent_forwards_total", "result=\"too_many_connections\"") >= 1.0, "{metrics}");
     d.shutdown().await;
 }

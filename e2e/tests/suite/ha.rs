@@ -174,6 +174,7 @@ impl Cluster {
                 "pool": pool,
             },
             "admin_listen": "127.0.0.1:0",
+            "shutdown_grace_period": "1s",
             "identifiers": { "addresses": [target.ip().to_string()] },
             "allow": [{ "cidr": format!("{}/32", target.ip()), "ports": [target.port()] }],
         }))

@@ -130,6 +130,7 @@ impl Fleet {
                 "token_check_interval": "200ms",
             },
             "admin_listen": "127.0.0.1:0",
+            "shutdown_grace_period": "1s",
             "identifiers": { "addresses": serves.iter().map(|a| a.ip().to_string()).collect::<Vec<_>>() },
             "allow": serves.iter().map(|a| serde_json::json!({ "cidr": format!("{}/32", a.ip()), "ports": [a.port()] })).collect::<Vec<_>>(),
         }))

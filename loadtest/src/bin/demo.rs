@@ -126,7 +126,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         })),
         tweak_agent: Some(std::sync::Arc::new(move |id, config| {
             if id == "node-1" {
-                config.listeners = vec![ListenerConfig { bind: listener_addr, target: "kube-apiserver".into() }];
+                config.listeners = vec![ListenerConfig::new(listener_addr, "kube-apiserver")];
             }
         })),
         ..LocalOptions::default()
