@@ -287,4 +287,26 @@ async fn readiness_waits_for_every_tenants_signing_keys() {
         key.service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), None).unwrap();
     let late = settings(agents, &ca.ca_cert, "late.tether.local");
     assert_eq!(outcome(&late, Some(&token)).await, Ok(()));
+
+    // A flood of tokens with unknown key ids (each would trigger a key refresh) costs the issuer
+    // at most one JWKS fetch per min_refresh_interval (1 s), not one per token.
+    let jwks_fetches = || {
+        std::fs::read_to_string(issuer.dir.join("nginx/access.log"))
+            .unwrap_or_default()
+            .matches("/openid/v1/jwks")
+            .count()
+    };
+    let before = jwks_fetches();
+    assert!(before >= 1, "nginx's access log shows the first fetch");
+    let forged = |i: usize| {
+        let mut header = Header::new(Algorithm::RS256);
+        header.kid = Some(format!("rogue-{i}"));
+        let claims = key.claims("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600));
+        jsonwebtoken::encode(&header, &claims, &EncodingKey::from_rsa_pem(key.private_pem.as_bytes()).unwrap()).unwrap()
+    };
+    let tokens: Vec<String> = (0..30).map(forged).collect();
+    let answers = futures::future::join_all(tokens.iter().map(|t| outcome(&late, Some(t)))).await;
+    assert!(answers.iter().all(|a| matches!(a, Err((401, _)))), "{answers:?}");
+    let fetched = jwks_fetches() - before;
+    assert!(fetched <= 2, "{fetched} JWKS fetches for 30 unknown key ids");
 }
