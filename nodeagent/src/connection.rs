@@ -357,14 +357,17 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                 tasks.spawn(async move {
                     match run_session(&ctx, established, &stop).await {
                         SessionEnd::Stopped => {}
-                        SessionEnd::Drained(deadline) => {
+                        SessionEnd::Drained(deadline) if ctx.state.live_sessions() > 1 => {
                             // Spread the drained replica's agents over a window (at most half
-                            // the drain deadline, so they have moved before it ends).
+                            // the drain deadline, so they have moved before it ends). Only while
+                            // another session still carries this agent's dials: without one, a
+                            // pause would be an outage, so it redials at once.
                             let window = ctx.drain_reconnect_window.min(deadline / 2);
                             let pause = window.mul_f64(fastrand::f64());
                             tracing::debug!(pause_ms = pause.as_millis() as u64, "redialing after the drain pause");
                             ctx.state.redial_not_before(tokio::time::Instant::now() + pause);
                         }
+                        SessionEnd::Drained(_) => {}
                         SessionEnd::Lost(reason) => {
                             tracing::warn!(%reason, "session to the gateway lost; reconnecting");
                             ctx.state.set_last_error(Some(reason));
