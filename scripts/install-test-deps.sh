@@ -45,3 +45,10 @@ if [ ! -x "$tools/bin/kubernetes-validate" ]; then
   mkdir -p "$tools/bin"
   ln -sf "$tools/venv/bin/kubernetes-validate" "$tools/bin/kubernetes-validate"
 fi
+
+# gRPC frontend tests (e2e/tests/suite/grpc.rs): a kube-apiserver stand-in in Python's grpcio, with
+# stubs generated from gateway/proto/konnectivity.proto by grpcio-tools, in the same venv.
+if ! "$tools/venv/bin/python" -c "import grpc, grpc_tools" >/dev/null 2>&1; then
+  echo "installing grpcio and grpcio-tools into $tools/venv"
+  "$tools/venv/bin/python" -m pip install --quiet --disable-pip-version-check "grpcio==1.71.0" "grpcio-tools==1.71.0"
+fi

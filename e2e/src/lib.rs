@@ -8,6 +8,7 @@ pub mod bins;
 pub mod checksum;
 pub mod daemons;
 pub mod helm;
+pub mod konnectivity;
 pub mod netns;
 pub mod nginx;
 pub mod proc;

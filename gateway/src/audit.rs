@@ -33,6 +33,8 @@ pub struct Dial<'a> {
     pub tenant: &'a str,
     /// `unix`, `tcp`, `tcp+tls`, `tcp+mtls` or `shared` (the shared mutual-TLS frontend).
     pub frontend: &'static str,
+    /// `http-connect` or `grpc`.
+    pub protocol: &'static str,
     /// The client's address (empty on a Unix socket).
     pub peer: &'a str,
     /// The client certificate's first DNS name, on mutual-TLS frontends.
@@ -47,7 +49,8 @@ pub struct Dial<'a> {
     pub via_replica: Option<&'a str>,
     /// `ok` or the failure label of `tether_gateway_dials_total`.
     pub result: &'a str,
-    /// The HTTP status of the CONNECT answer.
+    /// The HTTP status of the CONNECT answer; in gRPC mode the status the same outcome has there
+    /// (the `DIAL_RSP` carries its reason), and 499 for a dial the client cancelled.
     pub status: u16,
     /// Bytes towards the node.
     pub bytes_to_node: u64,
@@ -64,6 +67,7 @@ pub fn dial(d: &Dial<'_>) {
         event = "dial",
         tenant = d.tenant,
         frontend = d.frontend,
+        protocol = d.protocol,
         peer = d.peer,
         client_name = d.client_name.unwrap_or_default(),
         destination = d.target,

@@ -412,10 +412,14 @@ pub struct TokenReviewConfig {
     pub max_concurrent: usize,
 }
 
-/// Where a tenant's kube-apiserver reaches the gateway (HTTP CONNECT, Konnectivity http-connect mode).
+/// Where a tenant's kube-apiserver reaches the gateway, and the protocol it speaks there.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FrontendConfig {
+    /// What the tenant's kube-apiserver speaks on its frontends (the Unix socket, the TCP listener
+    /// and the shared frontend): its `EgressSelectorConfiguration`'s `proxyProtocol`.
+    #[serde(default)]
+    pub protocol: FrontendProtocol,
     /// Unix socket path (KAS `transport.uds.udsName`).
     #[serde(default)]
     pub uds: Option<PathBuf>,
@@ -445,6 +449,28 @@ impl FrontendConfig {
     }
 }
 
+/// The egress protocol of a tenant's frontends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FrontendProtocol {
+    /// HTTP CONNECT (`proxyProtocol: HTTPConnect`; konnectivity-server `--mode=http-connect`).
+    #[default]
+    HttpConnect,
+    /// Konnectivity's gRPC `ProxyService` over HTTP/2 (`proxyProtocol: GRPC`;
+    /// konnectivity-server `--mode=grpc`).
+    Grpc,
+}
+
+impl FrontendProtocol {
+    /// The configuration spelling, also the `protocol` label of metrics and the audit log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HttpConnect => "http-connect",
+            Self::Grpc => "grpc",
+        }
+    }
+}
+
 /// A `uds_mode` that is not an octal permission mode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0:?} is not an octal mode such as \"0660\"")]
@@ -462,6 +488,10 @@ pub struct TcpFrontendConfig {
     /// CA that client certificates must chain to; setting it requires mutual TLS.
     #[serde(default)]
     pub client_ca_file: Option<PathBuf>,
+    /// The protocol on this listener when it differs from `frontend.protocol` (e.g. while moving
+    /// a kube-apiserver from one egress mode to the other).
+    #[serde(default)]
+    pub protocol: Option<FrontendProtocol>,
 }
 
 /// One step of a tenant's routing chain.

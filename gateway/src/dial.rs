@@ -180,8 +180,13 @@ impl Dialer {
     }
 
     /// Dials `target` for `tenant` along the whole routing chain, here and through peers; records
-    /// the outcome in metrics.
-    pub async fn dial(&self, tenant: &Tenant, target: &DialTarget) -> Result<Dialed, DialError> {
+    /// the outcome in metrics, labelled with the frontend's `protocol` (`http-connect`, `grpc`).
+    pub async fn dial(
+        &self,
+        tenant: &Tenant,
+        target: &DialTarget,
+        protocol: &'static str,
+    ) -> Result<Dialed, DialError> {
         let started = Instant::now();
         // Counted once, where the dial enters the gateways (a peer-forwarded dial is not).
         let result = if tenant.dial_rate.try_take() {
@@ -193,8 +198,10 @@ impl Dialer {
             Ok(_) => "ok",
             Err(e) => e.label(),
         };
-        metrics::counter!(DIALS, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
-        metrics::histogram!(DIAL_DURATION, "tenant" => tenant.name.to_string()).record(started.elapsed().as_secs_f64());
+        metrics::counter!(DIALS, "tenant" => tenant.name.to_string(), "result" => label, "protocol" => protocol)
+            .increment(1);
+        metrics::histogram!(DIAL_DURATION, "tenant" => tenant.name.to_string(), "protocol" => protocol)
+            .record(started.elapsed().as_secs_f64());
         result
     }
 

@@ -9,9 +9,10 @@ pub const AGENTS: &str = "tether_gateway_agents";
 pub const AGENT_CONNECTS: &str = "tether_gateway_agent_connects_total";
 /// Tunnelled streams open, by tenant.
 pub const STREAMS_OPEN: &str = "tether_gateway_streams_open";
-/// Dials by tenant and result.
+/// Dials by tenant, result and frontend protocol (`http-connect`, `grpc`); `cancelled` counts
+/// gRPC dials the client abandoned with `DIAL_CLS` or by going away.
 pub const DIALS: &str = "tether_gateway_dials_total";
-/// Time from CONNECT request to the agent's answer, by tenant.
+/// Time from the dial request (CONNECT or `DIAL_REQ`) to the agent's answer, by tenant and protocol.
 pub const DIAL_DURATION: &str = "tether_gateway_dial_duration_seconds";
 /// Bytes tunnelled by tenant and direction (`to_agent`, `from_agent`).
 pub const BYTES: &str = "tether_gateway_bytes_total";
@@ -53,7 +54,11 @@ pub fn describe() {
     describe_counter!(AGENT_CONNECTS, "Agent connection attempts by result.");
     describe_gauge!(STREAMS_OPEN, "Tunnelled streams open.");
     describe_counter!(DIALS, "Dials by result.");
-    describe_histogram!(DIAL_DURATION, Unit::Seconds, "Time from CONNECT request to the agent's answer.");
+    describe_histogram!(
+        DIAL_DURATION,
+        Unit::Seconds,
+        "Time from the dial request (CONNECT or DIAL_REQ) to the agent's answer."
+    );
     describe_counter!(BYTES, Unit::Bytes, "Bytes tunnelled by direction.");
     describe_counter!(TOKEN_REFRESHES, "Token refreshes on live sessions by result.");
     describe_counter!(SESSIONS_CLOSED, "Agent sessions closed by reason.");

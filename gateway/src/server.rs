@@ -127,7 +127,9 @@ impl Gateway {
                     &sf.tls.cert_file,
                     &sf.tls.key_file,
                     Some(&sf.client_ca_file),
-                    &[],
+                    // HTTP/1.1 first: a CONNECT client offering both keeps HTTP/1.1; gRPC
+                    // clients offer only h2 (see frontend::shared).
+                    &[b"http/1.1", b"h2"],
                 )?;
                 Some((listener, tls))
             }

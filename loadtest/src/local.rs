@@ -11,8 +11,8 @@ use anyhow::Context as _;
 use tether_agent::config::{AgentConfig, AllowRule, GatewayConnection, IdentifiersConfig};
 use tether_agent::{Agent, AgentState};
 use tether_gateway::config::{
-    AuthConfig, FrontendConfig, GatewayConfig, KeepaliveConfig, ListenConfig, TcpFrontendConfig, TenantConfig,
-    TenantLimits, TlsFiles,
+    AuthConfig, FrontendConfig, FrontendProtocol, GatewayConfig, KeepaliveConfig, ListenConfig, TcpFrontendConfig,
+    TenantConfig, TenantLimits, TlsFiles,
 };
 use tether_gateway::{Gateway, GatewayHandle};
 use tether_tunnel::duration::HumanDuration;
@@ -78,6 +78,8 @@ pub struct LocalOptions {
     pub agents: Vec<AgentSpec>,
     /// Ping interval on both ends.
     pub ping_interval: Duration,
+    /// What the Unix socket frontend speaks (the TCP frontend always speaks CONNECT).
+    pub uds_protocol: FrontendProtocol,
     /// Adjusts the gateway configuration before start.
     pub tweak_gateway: Option<GatewayTweak>,
     /// Adjusts every agent's configuration before it starts.
@@ -92,6 +94,7 @@ impl Default for LocalOptions {
             tls: true,
             agents: Vec::new(),
             ping_interval: Duration::from_secs(20),
+            uds_protocol: FrontendProtocol::HttpConnect,
             tweak_gateway: None,
             tweak_agent: None,
         }
@@ -187,9 +190,16 @@ impl LocalDeployment {
                 leeway: HumanDuration(Duration::from_secs(5)),
             },
             frontend: FrontendConfig {
+                protocol: options.uds_protocol,
                 uds: Some(frontend_uds.clone()),
                 uds_mode: None,
-                tcp: Some(TcpFrontendConfig { listen: loopback(0), tls: None, client_ca_file: None }),
+                // The TCP frontend speaks CONNECT whatever the Unix socket speaks.
+                tcp: Some(TcpFrontendConfig {
+                    listen: loopback(0),
+                    tls: None,
+                    client_ca_file: None,
+                    protocol: Some(FrontendProtocol::HttpConnect),
+                }),
                 client_names: vec![],
             },
             routing: vec![

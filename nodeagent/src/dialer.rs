@@ -59,7 +59,16 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
         }
     };
     let started = Instant::now();
-    let outcome = connect(&request, &policy).await;
+    // The gateway resets the stream when its client gives up on the dial (a cancelled gRPC dial,
+    // a CONNECT client gone): stop connecting at once instead of holding a half-open attempt.
+    let outcome = tokio::select! {
+        outcome = connect(&request, &policy) => outcome,
+        () = stream.abandoned() => {
+            metrics::counter!(DIALS, "result" => "abandoned").increment(1);
+            tracing::debug!(request_id = request.request_id, "dial abandoned by the gateway");
+            return;
+        }
+    };
     metrics::histogram!(DIAL_DURATION).record(started.elapsed().as_secs_f64());
     let mut target = match outcome {
         Ok(target) => target,

@@ -6,6 +6,7 @@ mod auth;
 mod binaries;
 mod charts;
 mod forward;
+mod grpc;
 mod ha;
 mod loadtest;
 mod oidc;

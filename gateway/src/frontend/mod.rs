@@ -1,6 +1,7 @@
 //! The frontends a tenant's kube-apiserver connects to: a Unix socket and/or a TCP port (plain,
-//! TLS, or mutual TLS), each speaking HTTP CONNECT and each bound to exactly one tenant, so a
-//! frontend can only ever reach its own tenant's agents.
+//! TLS, or mutual TLS), each speaking HTTP CONNECT or Konnectivity's gRPC protocol (the tenant's
+//! `frontend.protocol`) and each bound to exactly one tenant, so a frontend can only ever reach its
+//! own tenant's agents.
 //!
 //! A bound socket outlives the configuration it was bound for: a reload that keeps a frontend's
 //! address (or socket path) hands the same socket to the new serving task, so the address is never
@@ -8,6 +9,7 @@
 //! when no configuration uses its path any more.
 
 pub mod connect;
+pub mod grpc;
 pub mod shared;
 
 use std::collections::HashMap;
@@ -27,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit;
 use crate::certs::CertRegistry;
-use crate::config::TenantConfig;
+use crate::config::{FrontendProtocol, TenantConfig};
 use crate::dial::{Dialed, DialedStream, Dialer};
 use crate::error::SetupError;
 use crate::lifecycle::Lifecycle;
@@ -80,6 +82,7 @@ pub enum Socket {
 pub struct Frontend {
     socket: Socket,
     tls: Option<TlsAcceptor>,
+    protocol: FrontendProtocol,
 }
 
 impl Frontend {
@@ -100,6 +103,7 @@ pub async fn bind(
     existing: &[Socket],
 ) -> Result<Vec<Frontend>, SetupError> {
     let key = |field: &str| format!("tenants[{}].frontend.{field}", config.name);
+    let protocol = config.frontend.protocol;
     let mut frontends = Vec::new();
     if let Some(path) = &config.frontend.uds {
         let reused = existing.iter().find_map(|s| match s {
@@ -120,7 +124,7 @@ pub async fn bind(
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(bits))
                 .map_err(|e| SetupError::file(key("uds_mode"), e))?;
         }
-        frontends.push(Frontend { socket: Socket::Unix(socket), tls: None });
+        frontends.push(Frontend { socket: Socket::Unix(socket), tls: None, protocol });
     }
     if let Some(tcp) = &config.frontend.tcp {
         let reused = existing.iter().find_map(|s| match s {
@@ -136,18 +140,24 @@ pub async fn bind(
                 Arc::new(TcpSocket { listener, configured: tcp.listen })
             }
         };
+        let protocol = tcp.protocol.unwrap_or(protocol);
         let tls = match &tcp.tls {
             Some(files) => {
                 let cert = ReloadableCert::load(&files.cert_file, &files.key_file)
                     .map_err(|e| SetupError::tls(key("tcp.tls"), e))?;
                 certs.register(&cert);
-                let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), &[])
+                // gRPC clients require HTTP/2 negotiated by ALPN; CONNECT clients need none.
+                let alpn: &[&[u8]] = match protocol {
+                    FrontendProtocol::Grpc => &[b"h2"],
+                    FrontendProtocol::HttpConnect => &[],
+                };
+                let server = tls::server_config(cert, tcp.client_ca_file.as_deref(), alpn)
                     .map_err(|e| SetupError::tls(key("tcp.client_ca_file"), e))?;
                 Some(TlsAcceptor::from(Arc::new(server)))
             }
             None => None,
         };
-        frontends.push(Frontend { socket: Socket::Tcp(socket), tls });
+        frontends.push(Frontend { socket: Socket::Tcp(socket), tls, protocol });
     }
     Ok(frontends)
 }
@@ -234,14 +244,17 @@ fn spawn(
 ) -> JoinHandle<()> {
     let (tenant, context, stop) = (tenant.clone(), context.clone(), stop.clone());
     match &frontend.socket {
-        Socket::Unix(socket) => tokio::spawn(serve_uds(socket.clone(), tenant, context, stop)),
-        Socket::Tcp(socket) => tokio::spawn(serve_tcp(socket.clone(), frontend.tls.clone(), tenant, context, stop)),
+        Socket::Unix(socket) => tokio::spawn(serve_uds(socket.clone(), frontend.protocol, tenant, context, stop)),
+        Socket::Tcp(socket) => {
+            tokio::spawn(serve_tcp(socket.clone(), frontend.tls.clone(), frontend.protocol, tenant, context, stop))
+        }
     }
 }
 
-/// Serves CONNECT requests on a Unix socket until the gateway drains or `stop` is cancelled.
+/// Serves a Unix socket until the gateway drains or `stop` is cancelled.
 async fn serve_uds(
     socket: Arc<UnixSocket>,
+    protocol: FrontendProtocol,
     tenant: Arc<Tenant>,
     context: Arc<FrontendContext>,
     stop: CancellationToken,
@@ -257,18 +270,18 @@ async fn serve_uds(
             Ok((stream, _)) => {
                 let (tenant, context) = (tenant.clone(), context.clone());
                 let client = Client { frontend: "unix", peer: String::new(), name: None };
-                lifecycle.spawn_connection(async move { serve_connection(stream, tenant, &context, client).await });
+                lifecycle.spawn_connection(serve_client(stream, protocol, tenant, context, client));
             }
             Err(e) => accept_failed(&tenant, &e).await,
         }
     }
 }
 
-/// Serves CONNECT requests on TCP, with TLS when `tls` is set, until the gateway drains or
-/// `stop` is cancelled.
+/// Serves TCP, with TLS when `tls` is set, until the gateway drains or `stop` is cancelled.
 async fn serve_tcp(
     socket: Arc<TcpSocket>,
     tls: Option<TlsAcceptor>,
+    protocol: FrontendProtocol,
     tenant: Arc<Tenant>,
     context: Arc<FrontendContext>,
     stop: CancellationToken,
@@ -296,7 +309,7 @@ async fn serve_tcp(
             match tls {
                 None => {
                     let client = Client { frontend: "tcp", peer, name: None };
-                    Box::pin(serve_connection(stream, tenant, &context, client)).await;
+                    Box::pin(serve_client(stream, protocol, tenant, context, client)).await;
                 }
                 Some(acceptor) => {
                     let timeout = context.settings.handshake_timeout;
@@ -310,7 +323,7 @@ async fn serve_tcp(
                                 "tcp+tls"
                             };
                             let client = Client { frontend, peer, name };
-                            Box::pin(serve_connection(tls_stream, tenant, &context, client)).await;
+                            Box::pin(serve_client(tls_stream, protocol, tenant, context, client)).await;
                         }
                         Ok(Err(e)) => {
                             tracing::info!(tenant = %tenant.name, %peer, error = %e, "frontend TLS handshake failed");
@@ -349,6 +362,22 @@ pub fn client_cert_names(connection: &rustls::ServerConnection) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Serves one client connection in the frontend's protocol.
+pub async fn serve_client<S>(
+    stream: S,
+    protocol: FrontendProtocol,
+    tenant: Arc<Tenant>,
+    context: Arc<FrontendContext>,
+    who: Client,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    match protocol {
+        FrontendProtocol::HttpConnect => serve_connection(stream, tenant, &context, who).await,
+        FrontendProtocol::Grpc => grpc::serve_connection(stream, tenant, context, who).await,
+    }
+}
+
 /// One CONNECT exchange and, when it succeeds, the tunnelled connection; one audit line for it.
 pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: &FrontendContext, who: Client)
 where
@@ -360,6 +389,7 @@ where
         audit::dial(&audit::Dial {
             tenant: &tenant.name,
             frontend: who.frontend,
+            protocol: "http-connect",
             peer,
             client_name: who.name.as_deref(),
             target,
@@ -400,7 +430,7 @@ where
     };
     let shown = target.to_string();
     // Boxed so the connection's long-lived future does not keep room for the dial's states.
-    let mut dialed = match Box::pin(context.dialer.dial(&tenant, &target)).await {
+    let mut dialed = match Box::pin(context.dialer.dial(&tenant, &target, "http-connect")).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");

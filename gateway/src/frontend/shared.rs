@@ -1,6 +1,9 @@
-//! The shared CONNECT frontend: one TCP port for several tenants, mutual TLS required. The tenant
-//! is taken from the client certificate (its DNS names, mapped by `frontend.client_names`), never
-//! from SNI, which the client chooses freely.
+//! The shared frontend: one TCP port for several tenants, mutual TLS required. The tenant is taken
+//! from the client certificate (its DNS names, mapped by `frontend.client_names`), never from SNI,
+//! which the client chooses freely; the tenant's `frontend.protocol` says whether its
+//! kube-apiserver speaks HTTP CONNECT or gRPC. The port offers both `http/1.1` and `h2` by ALPN, in
+//! that order, so a client offering both gets HTTP/1.1 and a gRPC client (offering only `h2`)
+//! gets HTTP/2.
 
 use std::sync::Arc;
 
@@ -9,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::connect::error_response;
-use super::{Client, FrontendContext, client_cert_names, serve_connection};
+use super::{Client, FrontendContext, client_cert_names, serve_client};
 use crate::tenant::{Tenant, TenantSet};
 
 /// Serves the shared frontend until the gateway drains.
@@ -49,7 +52,8 @@ pub async fn serve(
             match tenant_for(&tenants, &names) {
                 Ok(tenant) => {
                     let client = Client { frontend: "shared", peer: peer.to_string(), name: names.first().cloned() };
-                    serve_connection(tls, tenant, &context, client).await;
+                    let protocol = tenant.config().frontend.protocol;
+                    serve_client(tls, protocol, tenant, context, client).await;
                 }
                 Err(reason) => {
                     tracing::warn!(%peer, names = ?names, %reason, "shared frontend client refused");

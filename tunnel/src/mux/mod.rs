@@ -629,6 +629,21 @@ impl MuxStream {
         st.poll_nothing_buffered(cx).map_ok(|()| None)
     }
 
+    /// Resolves once the peer has reset the stream or the session has ended, without taking any
+    /// received bytes: lets work done on the stream's behalf (an agent's connect) stop as soon as
+    /// the other side gives up. The stream's reader must not be polled meanwhile.
+    pub async fn abandoned(&self) {
+        std::future::poll_fn(|cx| {
+            let mut st = self.cell.lock();
+            if st.reset || st.ended {
+                return Poll::Ready(());
+            }
+            st.reader = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+    }
+
     /// Half-closes: the peer reads end-of-stream after what was sent.
     pub fn finish(&mut self) {
         let mut inner = self.session.lock();

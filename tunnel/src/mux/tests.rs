@@ -502,3 +502,24 @@ async fn a_yamux_crate_peer_blocked_on_a_dropped_half_closed_stream_is_freed() {
     drop(ours);
     within("the yamux writer to see the reset", writer).await.unwrap();
 }
+
+#[tokio::test]
+async fn abandoned_resolves_on_a_reset_or_the_sessions_end_and_not_before() {
+    let ((client, _), (server, mut server_in)) = pair(&MuxSettings::default());
+    let mut out = client.open().await.unwrap();
+    out.write_all(b"dial please").await.unwrap();
+    let inbound = server_in.accept().await.unwrap();
+    // Data, even a half-close, is not giving up.
+    out.shutdown().await.unwrap();
+    let early = tokio::time::timeout(Duration::from_millis(200), inbound.abandoned()).await;
+    assert!(early.is_err(), "abandoned before the peer gave up");
+    drop(out);
+    within("abandoned after a reset", inbound.abandoned()).await;
+
+    let mut second = client.open().await.unwrap();
+    second.write_all(b"x").await.unwrap();
+    let inbound = server_in.accept().await.unwrap();
+    client.close();
+    within("abandoned when the session ends", inbound.abandoned()).await;
+    drop(server);
+}
