@@ -16,6 +16,7 @@ pub mod backends;
 pub mod connect_client;
 pub mod delay;
 pub mod devpki;
+pub mod grpc_client;
 pub mod local;
 pub mod procs;
 pub mod progress;

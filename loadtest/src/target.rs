@@ -22,25 +22,38 @@ use crate::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tether_agent::config::AgentConfig;
 use tether_tunnel::tls;
 
-/// A CONNECT frontend: `tcp://host:port` or `unix:///path`.
+/// A frontend: CONNECT at `tcp://host:port` or `unix:///path`, or Konnectivity's gRPC protocol
+/// at `grpc+tcp://host:port` or `grpc+unix:///path`.
 #[derive(Debug, Clone)]
 pub enum Frontend {
-    /// Plain TCP.
+    /// CONNECT over plain TCP.
     Tcp(SocketAddr),
-    /// A Unix socket.
+    /// CONNECT over a Unix socket.
     Unix(PathBuf),
+    /// gRPC over plain TCP (HTTP/2 without TLS).
+    GrpcTcp(SocketAddr),
+    /// gRPC over a Unix socket.
+    GrpcUnix(PathBuf),
 }
 
 impl FromStr for Frontend {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if let Some(addr) = s.strip_prefix("tcp://") {
-            addr.parse().map(Self::Tcp).map_err(|e| format!("{addr:?} is not host:port with a numeric IP: {e}"))
+        let addr =
+            |a: &str| a.parse::<SocketAddr>().map_err(|e| format!("{a:?} is not host:port with a numeric IP: {e}"));
+        if let Some(a) = s.strip_prefix("tcp://") {
+            addr(a).map(Self::Tcp)
         } else if let Some(path) = s.strip_prefix("unix://") {
             Ok(Self::Unix(PathBuf::from(path)))
+        } else if let Some(a) = s.strip_prefix("grpc+tcp://") {
+            addr(a).map(Self::GrpcTcp)
+        } else if let Some(path) = s.strip_prefix("grpc+unix://") {
+            Ok(Self::GrpcUnix(PathBuf::from(path)))
         } else {
-            Err(format!("{s:?}: use tcp://IP:PORT or unix:///path/to/socket"))
+            Err(format!(
+                "{s:?}: use tcp://IP:PORT or unix:///path/to/socket (CONNECT), grpc+tcp://IP:PORT or grpc+unix:///path (gRPC)"
+            ))
         }
     }
 }
@@ -50,6 +63,8 @@ impl std::fmt::Display for Frontend {
         match self {
             Self::Tcp(addr) => write!(f, "tcp://{addr}"),
             Self::Unix(path) => write!(f, "unix://{}", path.display()),
+            Self::GrpcTcp(addr) => write!(f, "grpc+tcp://{addr}"),
+            Self::GrpcUnix(path) => write!(f, "grpc+unix://{}", path.display()),
         }
     }
 }
@@ -78,6 +93,11 @@ pub struct DataTarget {
     /// stays local, as from a kube-apiserver next to the gateway.
     #[arg(long, default_value_t = 0)]
     pub link_delay_ms: u64,
+    /// In-process deployment only: the Unix socket frontend speaks Konnectivity's gRPC protocol
+    /// (kube-apiserver's `proxyProtocol: GRPC`) instead of CONNECT, so one run compares the TCP
+    /// CONNECT frontend with the gRPC one. (An external gRPC frontend: --frontend grpc+unix://...)
+    #[arg(long)]
+    pub grpc: bool,
 }
 
 /// How a client reaches a node-side server.
@@ -115,7 +135,29 @@ impl Route {
                     .with_context(|| format!("cannot connect to frontend {}", path.display()))?;
                 Ok(Conn::Unix(connect_request(stream, *target).await?))
             }
+            Self::Connect { frontend: Frontend::GrpcTcp(addr), target } => {
+                let stream =
+                    TcpStream::connect(addr).await.with_context(|| format!("cannot connect to frontend {addr}"))?;
+                let _ = stream.set_nodelay(true);
+                grpc_dial(stream, *target).await
+            }
+            Self::Connect { frontend: Frontend::GrpcUnix(path), target } => {
+                let stream = UnixStream::connect(path)
+                    .await
+                    .with_context(|| format!("cannot connect to frontend {}", path.display()))?;
+                grpc_dial(stream, *target).await
+            }
         }
+    }
+}
+
+async fn grpc_dial<S>(stream: S, target: SocketAddr) -> anyhow::Result<Conn>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    match crate::grpc_client::dial(stream, &target.to_string()).await? {
+        Ok(conn) => Ok(Conn::Grpc(Box::new(conn))),
+        Err(reason) => anyhow::bail!("the gRPC frontend refused the dial: {reason}"),
     }
 }
 
@@ -152,6 +194,8 @@ pub enum Conn {
     Tcp(TcpStream),
     /// Unix socket.
     Unix(UnixStream),
+    /// A dial through the gRPC frontend.
+    Grpc(Box<crate::grpc_client::GrpcConn>),
 }
 
 impl Conn {
@@ -168,6 +212,9 @@ impl Conn {
                 s.set_nonblocking(false)?;
                 Ok(StdConn::Unix(s))
             }
+            Self::Grpc(_) => {
+                Err(io::Error::new(io::ErrorKind::Unsupported, "the blocking scenarios do not speak gRPC; use CONNECT"))
+            }
         }
     }
 }
@@ -177,6 +224,7 @@ macro_rules! both {
         match $self.get_mut() {
             Conn::Tcp($s) => $e,
             Conn::Unix($s) => $e,
+            Conn::Grpc($s) => $e,
         }
     };
 }
@@ -295,6 +343,9 @@ impl DataPath {
         let delay = Duration::from_millis(target.link_delay_ms);
         let mut links = Vec::new();
         let mut options = LocalOptions::default();
+        if target.grpc {
+            options.uds_protocol = tether_gateway::config::FrontendProtocol::Grpc;
+        }
         let agent_link = if delay.is_zero() {
             None
         } else {
@@ -326,7 +377,11 @@ impl DataPath {
         deployment.wait_connected(Duration::from_secs(15)).await?;
         let frontends = vec![
             ("tunnel".into(), Frontend::Tcp(deployment.frontend_addr)),
-            ("tunnel (unix socket)".into(), Frontend::Unix(deployment.frontend_uds.clone())),
+            if target.grpc {
+                ("tunnel (unix socket, gRPC)".into(), Frontend::GrpcUnix(deployment.frontend_uds.clone()))
+            } else {
+                ("tunnel (unix socket)".into(), Frontend::Unix(deployment.frontend_uds.clone()))
+            },
         ];
         Ok(Self { kind: "local", bulk, echo, frontends, local: Some(deployment), servers, links })
     }

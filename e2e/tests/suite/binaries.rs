@@ -338,6 +338,7 @@ async fn the_quick_start_demo_runs_and_passes_its_checks() {
     assert!(stdout.contains("All checks passed."), "{stdout}");
     assert!(stdout.contains("20/20"), "{stdout}");
     assert!(stdout.contains("node -> control plane, TLS end to end"), "{stdout}");
+    assert!(stdout.contains("gRPC dials via Unix socket"), "{stdout}");
     assert!(stdout.contains("curl -p -x http://127.0.0.1:"), "{stdout}");
 }
 

@@ -16,7 +16,7 @@ use hdrhistogram::Histogram;
 use tether_agent::config::ListenerConfig;
 use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
 use tether_loadtest::backends;
-use tether_loadtest::connect_client::{connect_tcp, connect_uds};
+use tether_loadtest::connect_client::connect_tcp;
 use tether_loadtest::devpki::{DevCa, PemPair};
 use tether_loadtest::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -124,6 +124,9 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
                 });
             }
         })),
+        // The Unix socket speaks Konnectivity's gRPC protocol, as in Kubernetes' documented
+        // konnectivity set-up; the TCP frontend speaks CONNECT.
+        uds_protocol: tether_gateway::config::FrontendProtocol::Grpc,
         tweak_agent: Some(std::sync::Arc::new(move |id, config| {
             if id == "node-1" {
                 config.listeners = vec![ListenerConfig::new(listener_addr, "kube-apiserver")];
@@ -136,7 +139,11 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     deployment.wait_connected(Duration::from_secs(15)).await?;
     println!("  credentials   {} (CA, certificates, dev signing key, agent tokens)", deployment.dir.path().display());
     println!("  gateway       wss://{} (TLS, tenant host demo.tether.local)", deployment.agent_addr);
-    println!("  frontends     TCP {}  |  Unix socket {}", deployment.frontend_addr, deployment.frontend_uds.display());
+    println!(
+        "  frontends     TCP {} (HTTP CONNECT)  |  Unix socket {} (gRPC)",
+        deployment.frontend_addr,
+        deployment.frontend_uds.display()
+    );
     println!("  admin         http://{}/metrics", deployment.admin_addr);
     println!("  control plane kube-apiserver stand-in at {kas_addr} (TLS, its own CA)");
     println!("  node -> CP    agent node-1 listens on {listener_addr} -> target kube-apiserver");
@@ -152,13 +159,13 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
 
     let mut all_ok = true;
     let tcp = dial_round(&cli, &nodes, Frontend::Tcp(deployment.frontend_addr)).await;
-    let uds = dial_round(&cli, &nodes, Frontend::Unix(&deployment.frontend_uds)).await;
+    let uds = dial_round(&cli, &nodes, Frontend::GrpcUnix(&deployment.frontend_uds)).await;
     let bulk = bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20).await;
     let refused = check_refusal(deployment.frontend_addr).await;
     let upstream = node_to_controlplane(listener_addr, &kas_ca.ca_cert, cli.dials.min(50)).await;
 
     println!("  {:<38} {:>8} {:>10} {:>10} {:>10}", "check", "result", "p50", "p99", "rate");
-    for (name, round) in [("CONNECT dials via TCP frontend", &tcp), ("CONNECT dials via Unix socket", &uds)] {
+    for (name, round) in [("CONNECT dials via TCP frontend", &tcp), ("gRPC dials via Unix socket", &uds)] {
         all_ok &= round.failures == 0;
         println!(
             "  {:<38} {:>8} {:>10} {:>10} {:>10}",
@@ -218,9 +225,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     println!("  curl -p -x http://{} http://{}/hello", deployment.frontend_addr, node.addr);
     println!("  curl -p -x http://{} http://{}/logs", deployment.frontend_addr, nodes[0].addr);
     println!(
-        "  printf 'CONNECT {} HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\nGET / HTTP/1.0\\r\\n\\r\\n' | nc -U {}",
-        node.addr,
-        deployment.frontend_uds.display()
+        "  cargo run --release -p tether-loadtest -- dial-rate --grpc   # CONNECT vs gRPC frontend: new connections/s"
     );
     println!(
         "  curl --cacert {} --resolve kubernetes.default.svc:{}:{} https://kubernetes.default.svc:{}/version",
@@ -244,7 +249,7 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
 
 enum Frontend<'a> {
     Tcp(SocketAddr),
-    Unix(&'a Path),
+    GrpcUnix(&'a Path),
 }
 
 struct Round {
@@ -268,9 +273,12 @@ async fn dial_round(cli: &Cli, nodes: &[Node], frontend: Frontend<'_>) -> Round 
                 Ok(Err(refused)) => Err(refused.to_string()),
                 Err(e) => Err(e.to_string()),
             },
-            Frontend::Unix(path) => match connect_uds(path, &node.addr.to_string()).await {
-                Ok(Ok(stream)) => request(stream).await,
-                Ok(Err(refused)) => Err(refused.to_string()),
+            Frontend::GrpcUnix(path) => match tokio::net::UnixStream::connect(path).await {
+                Ok(stream) => match tether_loadtest::grpc_client::dial(stream, &node.addr.to_string()).await {
+                    Ok(Ok(conn)) => request(conn).await,
+                    Ok(Err(refused)) => Err(refused),
+                    Err(e) => Err(e.to_string()),
+                },
                 Err(e) => Err(e.to_string()),
             },
         };

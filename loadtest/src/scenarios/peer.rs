@@ -169,6 +169,7 @@ pub async fn run(args: &PeerArgs, progress: &Progress) -> anyhow::Result<Outcome
         bulk_port: 0,
         echo_port: 0,
         link_delay_ms: 0,
+        grpc: false,
     })
     .await?;
     let rathole = start_rathole(&binary, path.bulk, path.echo).await?;
