@@ -92,7 +92,7 @@ async fn start(limits: serde_json::Value) -> Deployment {
         "server_id": "gw-grpc",
         "listen": { "agents": agents_addr.to_string(), "admin": admin.to_string() },
         "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
-        "drain_grace_period": "5s",
+        "drain_grace_period": "30s",
         "shared_frontend": {
             "listen": shared.to_string(),
             "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
@@ -345,4 +345,35 @@ async fn a_slow_reader_stalls_only_its_own_dial() {
     assert!(buffered < (16 << 20) as f64, "{buffered} bytes held for a reader that does not read");
     drop(child.stdin.take().unwrap().shutdown().await);
     let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+}
+
+/// SIGTERM while a gRPC dial is open: the socket stops taking connections, the connection in
+/// flight gets GOAWAY but its dial keeps working and closes cleanly, and the gateway exits as soon
+/// as it is done (its grace period is 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_gateway_lets_grpc_dials_in_flight_finish() {
+    let mut d = start(serde_json::json!({})).await;
+    let (mut child, mut stdout) = d.uds_client().spawn(&["hold", &d.echo.to_string(), "65536"]);
+    let report = tokio::time::timeout(Duration::from_secs(30), next_report(&mut stdout)).await.expect("dial report");
+    assert_eq!(report["dial_error"], "", "{report}");
+    d.gateway.terminate();
+    let admin = d.admin;
+    let draining = eventually(
+        Duration::from_secs(5),
+        async || matches!(http_get(admin, "/readyz").await, Ok((503, body)) if body.contains("draining")),
+    )
+    .await;
+    assert!(draining, "readyz must report draining");
+    let uds = d.uds.clone();
+    let refused =
+        eventually(Duration::from_secs(5), async || std::os::unix::net::UnixStream::connect(&uds).is_err()).await;
+    assert!(refused, "the Unix socket must stop accepting");
+    // The dial in flight still carries data both ways and ends with CLOSE_RSP.
+    drop(child.stdin.take().unwrap().shutdown().await);
+    let report = tokio::time::timeout(Duration::from_secs(30), next_report(&mut stdout)).await.expect("echo report");
+    assert_eq!(report["identical"], true, "{report}");
+    assert_eq!(report["close_error"], "", "{report}");
+    let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    let status = d.gateway.wait(Duration::from_secs(20)).await.expect("the gateway did not exit after its last dial");
+    assert!(status.success(), "{status:?}\n{}", d.gateway.log_text());
 }
