@@ -7,7 +7,7 @@ use std::fmt;
 use std::time::Duration;
 
 use http::{HeaderValue, Uri};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Largest proxy response head accepted.
@@ -149,8 +149,8 @@ pub async fn connect_through(
 }
 
 /// Reads up to and including the blank line that ends the head, one byte at a time so nothing
-/// of the tunnel is consumed.
-async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, String> {
+/// of the tunnel is consumed. (Fuzzed: fuzz/fuzz_targets/agent_upgrade.rs.)
+pub async fn read_head<R: AsyncRead + Unpin>(stream: &mut R) -> Result<Vec<u8>, String> {
     let mut head = Vec::with_capacity(256);
     while !head.ends_with(b"\r\n\r\n") {
         if head.len() >= MAX_HEAD {
@@ -167,7 +167,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, String> {
 }
 
 /// The status code and reason phrase of a response head.
-fn parse_status(head: &[u8]) -> Result<(u16, String), String> {
+pub fn parse_status(head: &[u8]) -> Result<(u16, String), String> {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut response = httparse::Response::new(&mut headers);
     match response.parse(head) {

@@ -29,13 +29,27 @@ pub enum SettingsError {
 ///
 /// Unknown keys are rejected by the target type (`deny_unknown_fields`), so typos fail loudly.
 pub fn load<T: DeserializeOwned>(file: Option<&Path>) -> Result<T, SettingsError> {
+    let text = match file {
+        Some(path) => Some(std::fs::read_to_string(path).map_err(|e| SettingsError::Load {
+            path: Some(path.to_owned()),
+            reason: match e.kind() {
+                std::io::ErrorKind::NotFound => "file not found; pass an existing file with --config".into(),
+                _ => format!("cannot be read: {e}"),
+            },
+        })?),
+        None => None,
+    };
+    from_yaml(file, text.as_deref())
+}
+
+/// Parses `text` (YAML, the contents of `file`, which errors name) and then the environment, as
+/// [`load`] does with a file's contents. Any text gives a configuration or an error, never a panic
+/// (fuzzed: fuzz/fuzz_targets/config.rs).
+pub fn from_yaml<T: DeserializeOwned>(file: Option<&Path>, text: Option<&str>) -> Result<T, SettingsError> {
     let error = |reason: String| SettingsError::Load { path: file.map(Path::to_owned), reason };
     let mut builder = config::Config::builder();
-    if let Some(path) = file {
-        if !path.exists() {
-            return Err(error("file not found; pass an existing file with --config".into()));
-        }
-        builder = builder.add_source(config::File::from(path).format(config::FileFormat::Yaml).required(true));
+    if let Some(text) = text {
+        builder = builder.add_source(config::File::from_str(text, config::FileFormat::Yaml).required(true));
     }
     builder = builder.add_source(
         config::Environment::with_prefix("TETHER")
