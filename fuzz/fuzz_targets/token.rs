@@ -98,7 +98,10 @@ fuzz_target!(|input: Input| {
             }
             let header = br#"{"alg":"HS256","typ":"JWT"}"#;
             let token = sign(header, claims.to_string().as_bytes(), Algorithm::HS256);
-            assert_eq!(tether_tunnel::jwt::unverified_expiry(&token), Some(exp));
+            // The agent reads `exp` from payloads up to 16 KiB (its tokens are a few hundred bytes).
+            if token.split('.').nth(1).is_some_and(|p| p.len() <= 16 * 1024) {
+                assert_eq!(tether_tunnel::jwt::unverified_expiry(&token), Some(exp));
+            }
             if let Ok(identity) = verifier.verify_cached(&token) {
                 assert!(iss || extra == "https://issuer.fuzz", "a token from another issuer was accepted");
                 assert_eq!(identity.subject, sub);

@@ -49,7 +49,20 @@ pub fn from_yaml<T: DeserializeOwned>(file: Option<&Path>, text: Option<&str>) -
     let error = |reason: String| SettingsError::Load { path: file.map(Path::to_owned), reason };
     let mut builder = config::Config::builder();
     if let Some(text) = text {
+        let parsed = config::Format::parse(&config::FileFormat::Yaml, None, text).map_err(|e| error(e.to_string()))?;
+        for (key, value) in &parsed {
+            check_key(key, value).map_err(error)?;
+        }
         builder = builder.add_source(config::File::from_str(text, config::FileFormat::Yaml).required(true));
+    }
+    if let Some((name, _)) = std::env::vars_os().find(|(name, _)| {
+        let name = name.to_string_lossy();
+        name.starts_with("TETHER__") && name.contains(['[', ']'])
+    }) {
+        return Err(error(format!(
+            "environment variable {:?} has brackets; override list entries with a comma-separated value",
+            printable(&name.to_string_lossy())
+        )));
     }
     builder = builder.add_source(
         config::Environment::with_prefix("TETHER")
@@ -67,6 +80,34 @@ pub fn from_yaml<T: DeserializeOwned>(file: Option<&Path>, text: Option<&str>) -
     merged.try_deserialize().map_err(|e| error(e.to_string()))
 }
 
+/// The `config` crate reads `[` in a key as an index into a list and grows the list to it: a key
+/// like `a[99999999999]` in a file or an environment variable name would allocate without bound or
+/// abort (found by fuzz/fuzz_targets/config.rs). No key of Tether's has brackets, so they are
+/// refused before the file reaches the crate.
+fn check_key(key: &str, value: &config::Value) -> Result<(), String> {
+    if key.contains(['[', ']']) {
+        return Err(format!("key {:?} has brackets; keys are plain names (lists are YAML sequences)", printable(key)));
+    }
+    match &value.kind {
+        config::ValueKind::Table(table) => {
+            for (inner, value) in table {
+                check_key(inner, value).map_err(|e| format!("in {}: {e}", printable(key)))?;
+            }
+        }
+        config::ValueKind::Array(items) => {
+            for item in items {
+                check_key("", item).map_err(|e| format!("in {}: {e}", printable(key)))?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn printable(key: &str) -> String {
+    crate::untrusted::printable(key, 64)
+}
+
 /// Loads like [`load`], then runs `validate`; any problem it reports fails the load.
 pub fn load_validated<T, P, F>(file: Option<&Path>, validate: F) -> Result<T, SettingsError>
 where
@@ -81,4 +122,26 @@ where
     }
     let source_name = file.map(|p| p.display().to_string()).unwrap_or_else(|| "environment".into());
     Err(SettingsError::Invalid { source_name, problems })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fuzz/artifacts/config/crash-d3cffdd1...: the `config` crate grew a list to the index in the
+    /// key and aborted on "capacity overflow".
+    #[test]
+    fn a_key_with_an_index_is_refused_instead_of_aborting() {
+        let crash = ":888[0000000000000000000000000000000000000000000000000003027944083642934179]\t:\nt:";
+        let err = from_yaml::<serde_json::Value>(None, Some(crash)).unwrap_err().to_string();
+        assert!(err.contains("brackets"), "{err}");
+        // A large index that would not overflow but allocate gigabytes, nested.
+        let err = from_yaml::<serde_json::Value>(None, Some("a:\n  b[100000000]: 1\n")).unwrap_err().to_string();
+        assert!(err.contains("in a: key \"b[100000000]\" has brackets"), "{err}");
+        let err = from_yaml::<serde_json::Value>(None, Some("a:\n  - x[9]: 1\n")).unwrap_err().to_string();
+        assert!(err.contains("brackets"), "{err}");
+        // Plain keys and lists still load.
+        let ok: serde_json::Value = from_yaml(None, Some("a:\n  b: [1, 2]\n")).unwrap();
+        assert_eq!(ok["a"]["b"][1], 2);
+    }
 }
