@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// Delivers `data` in pieces whose sizes cycle through `pattern` (0 stands for 1), then EOF.
 /// Counts what was taken, so a target can check how much a parser consumed.
@@ -35,11 +35,6 @@ impl<'a> Pieces<'a> {
     /// The data to be delivered, all of it.
     pub fn data(&self) -> &'a [u8] {
         self.data
-    }
-
-    /// What has not been read yet.
-    pub fn rest(&self) -> &'a [u8] {
-        &self.data[self.consumed..]
     }
 
     fn next_size(&mut self) -> usize {
@@ -74,20 +69,4 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// Runs `future` to its end, or for at most `limit` of (virtual) time.
 pub fn run_for<F: Future>(limit: Duration, future: F) -> Option<F::Output> {
     runtime().block_on(async { tokio::time::timeout(limit, future).await.ok() })
-}
-
-/// A sink that accepts and drops every byte (the peer that reads what a target writes).
-#[derive(Debug, Default)]
-pub struct Sink;
-
-impl AsyncWrite for Sink {
-    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Poll::Ready(Ok(buf.len()))
-    }
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
 }
