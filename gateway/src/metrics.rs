@@ -43,6 +43,9 @@ pub const CLAIMS_REFUSED: &str = "tether_gateway_claims_refused_total";
 /// Agent connections closed before their handshake, by reason (`too_many_handshakes`,
 /// `source_rate`).
 pub const CONNECTIONS_REFUSED: &str = "tether_gateway_connections_refused_total";
+/// Tasks alive on the gateway's runtime (read at each scrape): connections, streams, timers and
+/// background work; it returns to its idle level when the load ends, so a rise that stays is a leak.
+pub const RUNTIME_TASKS: &str = "tether_gateway_runtime_tasks";
 /// Build information.
 pub const BUILD_INFO: &str = "tether_gateway_build_info";
 
@@ -51,6 +54,7 @@ pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(AGENT_SESSIONS, "Agent sessions connected.");
     describe_gauge!(AGENTS, "Agents connected (with one or more sessions).");
+    describe_gauge!(RUNTIME_TASKS, "Tasks alive on the runtime, read at each scrape.");
     describe_counter!(AGENT_CONNECTS, "Agent connection attempts by result.");
     describe_gauge!(STREAMS_OPEN, "Tunnelled streams open.");
     describe_counter!(DIALS, "Dials by result.");

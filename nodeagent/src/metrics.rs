@@ -21,6 +21,10 @@ pub const TOKEN_USABLE: &str = "tether_agent_token_usable";
 /// The `exp` of the token last read from the token file (Unix seconds).
 pub const TOKEN_EXPIRY: &str = "tether_agent_token_expiry_timestamp_seconds";
 
+/// Tasks alive on the agent's runtime (read at each scrape); back to its idle level once the
+/// load ends.
+pub const RUNTIME_TASKS: &str = "tether_agent_runtime_tasks";
+
 /// Forwarded connections (node -> control plane) by target and result.
 pub const FORWARDS: &str = "tether_agent_forwards_total";
 /// Forwarded connections open, by target.
@@ -34,6 +38,7 @@ pub const FORWARD_CONNECT_DURATION: &str = "tether_agent_forward_connect_duratio
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(SESSIONS, "Live sessions to gateway replicas.");
+    describe_gauge!(RUNTIME_TASKS, "Tasks alive on the runtime, read at each scrape.");
     describe_counter!(CONNECTS, "Connection attempts to the gateway by result.");
     describe_counter!(DIALS, "Dials served by result.");
     describe_histogram!(DIAL_DURATION, Unit::Seconds, "Time to connect to node-side targets.");
