@@ -9,7 +9,8 @@ use clap::{Parser, Subcommand};
 use tether_loadtest::progress::Progress;
 use tether_loadtest::scenarios::{
     self, Outcome, agents::AgentsArgs, dial_rate::DialRateArgs, latency::LatencyArgs, mux_compare::MuxCompareArgs,
-    peer::PeerArgs, reconnect::ReconnectArgs, rps::RpsArgs, streams::StreamsArgs, throughput::ThroughputArgs,
+    peer::PeerArgs, reconnect::ReconnectArgs, rps::RpsArgs, soak::SoakArgs, streams::StreamsArgs,
+    throughput::ThroughputArgs,
 };
 
 #[global_allocator]
@@ -56,6 +57,10 @@ enum Scenario {
     MuxCompare(MuxCompareArgs),
     /// Tether next to rathole (WebSocket + TLS) in the same run: throughput and dial rate.
     Peer(PeerArgs),
+    /// Mixed load for a long time against the real binaries (dials, forwards, bulk and idle
+    /// streams, agents coming and going, a gateway restart, a token rotation): memory, open files,
+    /// tasks and gauges over time, and whether they return to their baseline.
+    Soak(SoakArgs),
     /// Ratios between two result files (before / after).
     Compare {
         /// The "before" result.
@@ -103,6 +108,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Scenario::Reconnect(_) => "reconnect",
         Scenario::MuxCompare(_) => "mux-compare",
         Scenario::Peer(_) => "peer",
+        Scenario::Soak(_) => "soak",
         Scenario::Compare { .. } => "compare",
     };
     let progress = Progress::new(name, cli.quiet);
@@ -117,6 +123,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Scenario::Reconnect(args) => scenarios::reconnect::run(args, &progress).await?,
         Scenario::MuxCompare(args) => scenarios::mux_compare::run(args, &progress).await?,
         Scenario::Peer(args) => scenarios::peer::run(args, &progress).await?,
+        Scenario::Soak(args) => scenarios::soak::run(args, &progress).await?,
         Scenario::Compare { a, b } => {
             print!("{}", scenarios::compare::compare(a, b)?);
             return Ok(());

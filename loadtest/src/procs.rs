@@ -207,26 +207,78 @@ pub fn write_agent_config(
     admin: SocketAddr,
     allowed: SocketAddr,
 ) -> anyhow::Result<PathBuf> {
-    let token_file = creds.dir.path().join("agent.token");
-    write_private(&token_file, creds.token("node-1")?.as_bytes())?;
+    let spec = AgentProcessSpec { name: "node-1", admin, allowed: vec![allowed], listeners: vec![] };
+    Ok(write_named_agent_config(creds, ports, &spec)?.config)
+}
+
+/// What a generated agent is: its node name, admin address, the node-side targets it may dial
+/// (their IP addresses are the ones it declares) and its node -> control-plane listeners.
+#[derive(Debug, Clone)]
+pub struct AgentProcessSpec<'a> {
+    /// Node name (`agent_id` and the token's node claim).
+    pub name: &'a str,
+    /// Admin endpoint (`/readyz`, `/metrics`).
+    pub admin: SocketAddr,
+    /// Targets the gateway may dial through it.
+    pub allowed: Vec<SocketAddr>,
+    /// (listen address, target name) pairs.
+    pub listeners: Vec<(SocketAddr, &'a str)>,
+}
+
+/// The files of a generated agent.
+#[derive(Debug, Clone)]
+pub struct AgentFiles {
+    /// Its configuration.
+    pub config: PathBuf,
+    /// Its token file (rewrite it to rotate the token).
+    pub token: PathBuf,
+    /// Its log.
+    pub log: PathBuf,
+}
+
+/// Writes the configuration and token of the agent `spec` describes (files named after it).
+pub fn write_named_agent_config(
+    creds: &Credentials,
+    ports: &GatewayPorts,
+    spec: &AgentProcessSpec<'_>,
+) -> anyhow::Result<AgentFiles> {
+    let (config, token, log) = if spec.name == "node-1" {
+        ("agent.yaml".to_owned(), "agent.token".to_owned(), "agent.log".to_owned())
+    } else {
+        (format!("{}.yaml", spec.name), format!("{}.token", spec.name), format!("{}.log", spec.name))
+    };
+    let dir = creds.dir.path();
+    let files = AgentFiles { config: dir.join(config), token: dir.join(token), log: dir.join(log) };
+    write_private(&files.token, creds.token(spec.name)?.as_bytes())?;
+    let mut addresses: Vec<String> = spec.allowed.iter().map(|a| a.ip().to_string()).collect();
+    addresses.dedup();
+    let allow: Vec<serde_json::Value> = spec
+        .allowed
+        .iter()
+        .map(|a| serde_json::json!({ "cidr": format!("{}/32", a.ip()), "ports": [a.port()] }))
+        .collect();
+    let listeners: Vec<serde_json::Value> =
+        spec.listeners.iter().map(|(bind, target)| serde_json::json!({ "bind": bind, "target": target })).collect();
     let config = serde_json::json!({
-        "agent_id": "node-1",
+        "agent_id": spec.name,
         "gateway": {
             "url": format!("wss://{}/v1/tunnel", ports.agents),
             "server_name": TENANT_HOST,
-            "token_file": token_file,
+            "token_file": files.token,
             "ca_file": creds.ca.ca_cert,
             "reconnect_initial": "100ms",
             "reconnect_max": "1s",
+            "token_check_interval": "2s",
         },
-        "admin_listen": admin.to_string(),
-        "identifiers": { "addresses": [allowed.ip().to_string()] },
-        "allow": [{ "cidr": format!("{}/32", allowed.ip()), "ports": [allowed.port()] }],
+        "admin_listen": spec.admin.to_string(),
+        "identifiers": { "addresses": addresses },
+        "allow": allow,
+        "listeners": listeners,
+        "shutdown_grace_period": "2s",
         "log": { "format": "text", "level": "warn" },
     });
-    let path = creds.dir.path().join("agent.yaml");
-    std::fs::write(&path, serde_json::to_string_pretty(&config)?)?;
-    Ok(path)
+    std::fs::write(&files.config, serde_json::to_string_pretty(&config)?)?;
+    Ok(files)
 }
 
 /// A child process, killed when dropped; stderr goes to a log file.
@@ -262,6 +314,17 @@ impl ChildProcess {
     /// Kills it (SIGKILL: a crash, no drain) and reaps it.
     pub async fn kill(&mut self) {
         let _ = self.child.kill().await;
+    }
+
+    /// Stops it the way Kubernetes does: SIGTERM, then SIGKILL if it has not exited after
+    /// `grace`. Returns whether it exited on its own.
+    pub async fn terminate(&mut self, grace: Duration) -> bool {
+        let sent = Command::new("kill").arg("-TERM").arg(self.pid.to_string()).status().await;
+        if sent.is_ok_and(|s| s.success()) && tokio::time::timeout(grace, self.child.wait()).await.is_ok() {
+            return true;
+        }
+        self.kill().await;
+        false
     }
 
     /// The last lines of its log, for error messages.
@@ -314,14 +377,25 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Str
 
 /// The sum of a Prometheus metric's samples on `addr`'s `/metrics`.
 pub async fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
-    let (status, text) = http_get(addr, "/metrics").await.ok()?;
-    if status != 200 {
-        return None;
+    metric_in(&scrape(addr).await?, name, None)
+}
+
+/// The text of `addr`'s `/metrics`, if it answers 200.
+pub async fn scrape(addr: SocketAddr) -> Option<String> {
+    match http_get(addr, "/metrics").await {
+        Ok((200, text)) => Some(text),
+        _ => None,
     }
+}
+
+/// The sum of a metric's samples in a scraped exposition, only those carrying `label` (e.g.
+/// `result="ok"`) if given; `None` when there is no such sample.
+pub fn metric_in(text: &str, name: &str, label: Option<&str>) -> Option<f64> {
     let values: Vec<f64> = text
         .lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| label.is_none_or(|label| l.contains(label)))
         .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
         .collect();
     if values.is_empty() { None } else { Some(values.iter().sum()) }

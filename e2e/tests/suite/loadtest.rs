@@ -294,3 +294,62 @@ fn compare_prints_ratios_between_two_results() {
     let line = stdout.lines().find(|l| l.contains("tunnel.download_mib_s")).unwrap_or_else(|| panic!("{stdout}"));
     assert!(line.contains("1.250"), "{line}");
 }
+
+/// The soak in two minutes: every kind of load at once against the real binaries, a gateway
+/// restart half-way and a token rotation at three quarters. What is checked is what a leak would
+/// break, never a speed: after the load every stream, forward and extra session is gone on both
+/// sides, open files and runtime tasks are back at their baseline, and nothing failed outside the
+/// restart.
+#[test]
+fn soak_returns_to_its_baseline() {
+    let (result, dir, stdout) = run(&[
+        "soak",
+        "--duration",
+        "2m",
+        "--sample-interval",
+        "2s",
+        "--dial-rate",
+        "20",
+        "--forward-rate",
+        "10",
+        "--bulk-mib",
+        "4",
+        "--idle-streams",
+        "60",
+        "--idle-forwards",
+        "20",
+        "--churn-agents",
+        "2",
+        "--churn-period",
+        "15s",
+        "--settle-timeout",
+        "60s",
+    ]);
+    let figures = &result["figures"];
+    let figure = |key: &str| figures[key].as_f64().unwrap_or_else(|| panic!("{key} missing: {result}"));
+    assert_eq!(figure("settled"), 1.0, "not back at the baseline: {stdout}");
+    for side in ["gateway", "agent"] {
+        assert_eq!(figure(&format!("{side}_streams_open_end")), 0.0, "{stdout}");
+        assert_eq!(figure(&format!("{side}_forwards_open_end")), 0.0, "{stdout}");
+        assert_eq!(figure(&format!("{side}_sessions_end")), 1.0, "{stdout}");
+        assert_eq!(figure(&format!("{side}_open_fds_end")), figure(&format!("{side}_open_fds_base")), "{stdout}");
+        assert!(figure(&format!("{side}_tasks_end")) <= figure(&format!("{side}_tasks_base")), "{stdout}");
+        // The load reached both processes.
+        assert!(figure(&format!("{side}_streams_open_peak")) >= 60.0, "{stdout}");
+        assert!(figure(&format!("{side}_forwards_open_peak")) >= 20.0, "{stdout}");
+        assert!(series_named(&result, &format!("{side} rss_kib"))["points"].as_array().unwrap().len() >= 30);
+    }
+    // Extra agents came and went: the gateway held more than the main agent's session at times.
+    assert!(figure("extra_agent_starts") >= 2.0 && figure("extra_agent_stops") == figure("extra_agent_starts"));
+    assert!(figure("gateway_sessions_peak") >= 2.0, "{stdout}");
+    assert!(figure("extra_agent_dials_ok") > 0.0);
+    assert_eq!(figure("gateway_drained_on_sigterm"), 1.0);
+    assert_eq!(figure("token_rotation_accepted"), 1.0, "{stdout}");
+    for load in ["dials", "forwards", "bulk_transfers", "idle_opens"] {
+        assert!(figure(&format!("{load}_ok")) > 0.0, "no {load}: {stdout}");
+        assert_eq!(figure(&format!("{load}_failed")), 0.0, "{load} failed outside the restart: {stdout}");
+    }
+    for chart in ["soak-memory.svg", "soak-files.svg", "soak-tasks.svg", "soak-gauges.svg", "soak-load.svg"] {
+        check_svg(&dir, chart);
+    }
+}

@@ -10,6 +10,7 @@ pub mod mux_compare;
 pub mod peer;
 pub mod reconnect;
 pub mod rps;
+pub mod soak;
 pub mod streams;
 pub mod throughput;
 
