@@ -84,7 +84,8 @@ async fn main() -> anyhow::Result<()> {
         echo_round_trip(stream, format!("dial {i}: GET /containerLogs/kube-system/pod HTTP/1.1\r\n\r\n")).await?;
     }
     let not_allowed = SocketAddr::new(echo.ip(), 9);
-    let refused = tether_loadtest::connect_client::connect_tcp(deployment.frontend_addr, &not_allowed.to_string()).await?;
+    let refused =
+        tether_loadtest::connect_client::connect_tcp(deployment.frontend_addr, &not_allowed.to_string()).await?;
     anyhow::ensure!(refused.is_err(), "a dial to a port off the allow list went through");
     for i in 0..2 {
         let stream = TcpStream::connect(forward_listen).await?;
