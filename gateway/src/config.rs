@@ -42,6 +42,9 @@ pub struct GatewayConfig {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// The async runtime (worker threads).
+    #[serde(default)]
+    pub runtime: tether_tunnel::cli::RuntimeConfig,
     /// A CONNECT frontend shared by several tenants over mutual TLS: the tenant is taken from the
     /// client certificate's DNS names (`tenants[].frontend.client_names`), never from SNI.
     #[serde(default)]
@@ -686,6 +689,9 @@ impl GatewayConfig {
         }
         if self.keepalive.ping_timeout.0 < Duration::from_secs(1) {
             problems.push(problem("keepalive.ping_timeout", "must be at least 1s (default 20s)"));
+        }
+        if let Some(p) = self.runtime.worker_threads_problem() {
+            problems.push(problem("runtime.worker_threads", p));
         }
         if self.limits.max_handshakes == 0 {
             problems.push(problem("limits.max_handshakes", "must be at least 1 (default 2048)"));

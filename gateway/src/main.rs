@@ -30,7 +30,8 @@ fn main() -> ExitCode {
         println!("configuration OK: {} tenant(s)", config.tenants.len());
         return ExitCode::SUCCESS;
     }
-    cli::run("tether-gateway", run(cli, config))
+    let runtime = config.runtime.clone();
+    cli::run("tether-gateway", &runtime, run(cli, config))
 }
 
 async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {

@@ -46,6 +46,8 @@ pub const CONNECTIONS_REFUSED: &str = "tether_gateway_connections_refused_total"
 /// Tasks alive on the gateway's runtime (read at each scrape): connections, streams, timers and
 /// background work; it returns to its idle level when the load ends, so a rise that stays is a leak.
 pub const RUNTIME_TASKS: &str = "tether_gateway_runtime_tasks";
+/// Worker threads of the runtime (`runtime.worker_threads`, or one per CPU).
+pub const RUNTIME_WORKERS: &str = "tether_gateway_runtime_workers";
 /// Build information.
 pub const BUILD_INFO: &str = "tether_gateway_build_info";
 
@@ -55,6 +57,7 @@ pub fn describe() {
     describe_gauge!(AGENT_SESSIONS, "Agent sessions connected.");
     describe_gauge!(AGENTS, "Agents connected (with one or more sessions).");
     describe_gauge!(RUNTIME_TASKS, "Tasks alive on the runtime, read at each scrape.");
+    describe_gauge!(RUNTIME_WORKERS, "Worker threads of the runtime.");
     describe_counter!(AGENT_CONNECTS, "Agent connection attempts by result.");
     describe_gauge!(STREAMS_OPEN, "Tunnelled streams open.");
     describe_counter!(DIALS, "Dials by result.");

@@ -41,14 +41,6 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
 }
 
 async fn render_metrics(State(state): State<AdminState>) -> (StatusCode, [(&'static str, &'static str); 1], String) {
-    let content_type = [("content-type", "text/plain; version=0.0.4; charset=utf-8")];
-    match &state.metrics {
-        Some(handle) => {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                metrics::gauge!(crate::metrics::RUNTIME_TASKS).set(runtime.metrics().num_alive_tasks() as f64);
-            }
-            (StatusCode::OK, content_type, handle.render())
-        }
-        None => (StatusCode::NOT_FOUND, content_type, "metrics are not enabled in this process\n".into()),
-    }
+    use crate::metrics::{RUNTIME_TASKS, RUNTIME_WORKERS};
+    tether_tunnel::telemetry::metrics_response(state.metrics.as_ref(), RUNTIME_TASKS, RUNTIME_WORKERS)
 }

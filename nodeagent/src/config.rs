@@ -48,6 +48,9 @@ pub struct AgentConfig {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// The async runtime (worker threads).
+    #[serde(default)]
+    pub runtime: tether_tunnel::cli::RuntimeConfig,
 }
 
 /// How to reach the gateway.
@@ -344,6 +347,9 @@ impl AgentConfig {
         }
         if gw.ping_interval.0 < Duration::from_secs(1) || gw.ping_timeout.0 < Duration::from_secs(1) {
             problems.push("gateway.ping_interval / gateway.ping_timeout: must be at least 1s".into());
+        }
+        if let Some(p) = self.runtime.worker_threads_problem() {
+            problems.push(format!("runtime.worker_threads: {p}"));
         }
         if gw.window_growth_mib > 4096 {
             problems.push("gateway.window_growth_mib: must be at most 4096 (default 32)".into());

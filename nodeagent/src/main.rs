@@ -29,7 +29,8 @@ fn main() -> ExitCode {
         println!("configuration OK: agent {} -> {}", config.agent_id(), config.gateway.url);
         return ExitCode::SUCCESS;
     }
-    cli::run("tether-agent", run(cli, config))
+    let runtime = config.runtime.clone();
+    cli::run("tether-agent", &runtime, run(cli, config))
 }
 
 async fn run(cli: Cli, config: AgentConfig) -> anyhow::Result<()> {

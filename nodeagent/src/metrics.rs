@@ -24,6 +24,8 @@ pub const TOKEN_EXPIRY: &str = "tether_agent_token_expiry_timestamp_seconds";
 /// Tasks alive on the agent's runtime (read at each scrape); back to its idle level once the
 /// load ends.
 pub const RUNTIME_TASKS: &str = "tether_agent_runtime_tasks";
+/// Worker threads of the runtime (`runtime.worker_threads`, or one per CPU).
+pub const RUNTIME_WORKERS: &str = "tether_agent_runtime_workers";
 
 /// Forwarded connections (node -> control plane) by target and result.
 pub const FORWARDS: &str = "tether_agent_forwards_total";
@@ -39,6 +41,7 @@ pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(SESSIONS, "Live sessions to gateway replicas.");
     describe_gauge!(RUNTIME_TASKS, "Tasks alive on the runtime, read at each scrape.");
+    describe_gauge!(RUNTIME_WORKERS, "Worker threads of the runtime.");
     describe_counter!(CONNECTS, "Connection attempts to the gateway by result.");
     describe_counter!(DIALS, "Dials served by result.");
     describe_histogram!(DIAL_DURATION, Unit::Seconds, "Time to connect to node-side targets.");

@@ -43,13 +43,43 @@ pub fn start_telemetry(args: &CommonArgs, log: &LogConfig) -> Result<PrometheusH
     telemetry::install_metrics()
 }
 
-/// Runs `main` on a multi-threaded runtime; an error is printed as `<name>: <error>` and exits 1.
-pub fn run<F, E>(name: &str, main: F) -> ExitCode
+/// The `runtime` section both binaries share.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Worker threads of the async runtime. Unset: `TOKIO_WORKER_THREADS` if set, else one per
+    /// CPU the process may use (a cgroup CPU quota counts).
+    #[serde(default)]
+    pub worker_threads: Option<usize>,
+}
+
+/// Most worker threads `runtime.worker_threads` accepts.
+pub const MAX_WORKER_THREADS: usize = 1024;
+
+impl RuntimeConfig {
+    /// What is wrong with `worker_threads`, if anything.
+    pub fn worker_threads_problem(&self) -> Option<String> {
+        match self.worker_threads {
+            Some(0) => Some("must be at least 1 (or unset: one per CPU)".into()),
+            Some(n) if n > MAX_WORKER_THREADS => Some(format!("{n} is more than {MAX_WORKER_THREADS}")),
+            _ => None,
+        }
+    }
+}
+
+/// Runs `main` on a multi-threaded runtime sized by `runtime`; an error is printed as
+/// `<name>: <error>` and exits 1.
+pub fn run<F, E>(name: &str, runtime: &RuntimeConfig, main: F) -> ExitCode
 where
     F: Future<Output = Result<(), E>>,
     E: Display,
 {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if let Some(threads) = runtime.worker_threads {
+        builder.worker_threads(threads.clamp(1, MAX_WORKER_THREADS));
+    }
+    let runtime = match builder.build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("{name}: cannot start the runtime: {e}");

@@ -60,6 +60,25 @@ pub fn init_logging(format: LogFormat, filter: &str) -> Result<(), String> {
     result.map_err(|e| format!("cannot start logging: {e}"))
 }
 
+/// The answer to `GET /metrics`: the exposition, after setting the gauges `tasks` and `workers`
+/// to the current runtime's live tasks and worker threads; 404 when metrics are off.
+pub fn metrics_response(
+    handle: Option<&PrometheusHandle>,
+    tasks: &'static str,
+    workers: &'static str,
+) -> (http::StatusCode, [(&'static str, &'static str); 1], String) {
+    let content_type = [("content-type", "text/plain; version=0.0.4; charset=utf-8")];
+    let Some(handle) = handle else {
+        return (http::StatusCode::NOT_FOUND, content_type, "metrics are not enabled in this process\n".into());
+    };
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let figures = runtime.metrics();
+        metrics::gauge!(tasks).set(figures.num_alive_tasks() as f64);
+        metrics::gauge!(workers).set(figures.num_workers() as f64);
+    }
+    (http::StatusCode::OK, content_type, handle.render())
+}
+
 /// Latency buckets in seconds, from 100 us to 30 s.
 pub const LATENCY_BUCKETS: &[f64] =
     &[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];

@@ -64,6 +64,8 @@ async fn start_with_env(mtls: bool, grace: &str, gateway_env: &[(&str, &str)]) -
         "tls": { "cert_file": gateway_cert.cert, "key_file": gateway_cert.key },
         "drain_grace_period": grace,
         "reload_check_interval": "300ms",
+        // Neither default (one per CPU on the gateway): the metrics below show it is honoured.
+        "runtime": { "worker_threads": 5 },
         "tenants": [{
             "name": "e2e",
             "hosts": ["e2e.tether.local"],
@@ -89,6 +91,7 @@ async fn start_with_env(mtls: bool, grace: &str, gateway_env: &[(&str, &str)]) -
             "reconnect_max": "1s",
         },
         "admin_listen": agent_admin.to_string(),
+        "runtime": { "worker_threads": 3 },
         "identifiers": { "addresses": [node.ip().to_string(), firehose.ip().to_string()] },
         "allow": [
             { "cidr": format!("{}/32", node.ip()), "ports": [node.port()] },
@@ -176,9 +179,12 @@ async fn curl_reaches_a_node_through_the_tcp_frontend() {
     assert_eq!(metric_sum(&metrics, "tether_gateway_dials_total", "result=\"not_allowed\""), 1.0);
     assert_eq!(metric_sum(&metrics, "tether_gateway_agent_sessions", "tenant=\"e2e\""), 1.0);
     assert!(metric_sum(&metrics, "tether_gateway_bytes_total", "direction=\"from_agent\"") > 0.0);
+    assert_eq!(metric_sum(&metrics, "tether_gateway_runtime_workers", ""), 5.0, "runtime.worker_threads");
+    assert!(metric_sum(&metrics, "tether_gateway_runtime_tasks", "") > 0.0);
     let (_, agent_metrics) = http_get(bins.agent_admin, "/metrics").await.unwrap();
     assert_eq!(metric_sum(&agent_metrics, "tether_agent_dials_total", "result=\"ok\""), 1.0, "{agent_metrics}");
     assert_eq!(metric_sum(&agent_metrics, "tether_agent_sessions", ""), 1.0);
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_runtime_workers", ""), 3.0, "runtime.worker_threads");
     drop(bins.dir);
 }
 
@@ -292,14 +298,20 @@ async fn sigterm_drains_streams_then_exits() {
 async fn bad_configuration_is_reported_with_the_key_and_the_fix() {
     let dir = ScratchDir::new("tether-badconfig").unwrap();
     let file = dir.path().join("gateway.yaml");
-    std::fs::write(&file, "tenants:\n  - name: Bad Name\n    hosts: []\n    auth:\n      issuer: x\n      audiences: [a]\n      jwks_file: /missing.json\n").unwrap();
+    std::fs::write(&file, "tenants:\n  - name: Bad Name\n    hosts: []\n    auth:\n      issuer: x\n      audiences: [a]\n      jwks_file: /missing.json\nruntime:\n  worker_threads: 0\n").unwrap();
     let output = std::process::Command::new(tether_e2e::bins::bin_path("tether-gateway"))
         .args(["--check-config", "--config", file.to_str().unwrap()])
         .output()
         .unwrap();
     assert_eq!(output.status.code(), Some(2));
     let err = String::from_utf8_lossy(&output.stderr);
-    for key in ["tenants[0].name", "tenants[0].hosts", "tenants[0].auth.jwks_file", "tenants[0].frontend"] {
+    for key in [
+        "tenants[0].name",
+        "tenants[0].hosts",
+        "tenants[0].auth.jwks_file",
+        "tenants[0].frontend",
+        "runtime.worker_threads",
+    ] {
         assert!(err.contains(key), "{key} missing from:\n{err}");
     }
     // An environment override with a bad value names its key.
