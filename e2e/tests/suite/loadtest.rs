@@ -349,6 +349,8 @@ fn soak_returns_to_its_baseline() {
         assert!(figure(&format!("{load}_ok")) > 0.0, "no {load}: {stdout}");
         assert_eq!(figure(&format!("{load}_failed")), 0.0, "{load} failed outside the restart: {stdout}");
     }
+    // Idle streams die only with the gateway that held them.
+    assert_eq!(figure("idle_lost_failed"), 0.0, "{stdout}");
     for chart in ["soak-memory.svg", "soak-files.svg", "soak-tasks.svg", "soak-gauges.svg", "soak-load.svg"] {
         check_svg(&dir, chart);
     }

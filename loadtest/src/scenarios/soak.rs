@@ -120,10 +120,23 @@ struct Load {
     churn_stops: AtomicU64,
     skipped: AtomicU64,
     restarting: AtomicBool,
+    /// When the gateway restart began: an idle stream opened before it died with that gateway,
+    /// however late a ping finds out.
+    restart_began: Mutex<Option<Instant>>,
     errors: Mutex<Vec<String>>,
 }
 
 impl Load {
+    /// An idle stream opened at `opened` stopped answering.
+    fn idle_stream_lost(&self, opened: Instant, error: anyhow::Error) {
+        let restart = *self.restart_began.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if restart.is_some_and(|began| opened <= began) {
+            self.idle_lost.failed_in_restart.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.record(&self.idle_lost, Err(error), "idle stream lost");
+        }
+    }
+
     fn record(&self, tally: &Tally, result: anyhow::Result<()>, what: &str) {
         match result {
             Ok(()) => {
@@ -319,7 +332,7 @@ fn idle_pool(
     stop: CancellationToken,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let mut pool: Vec<Conn> = Vec::with_capacity(target);
+        let mut pool: Vec<(Conn, Instant)> = Vec::with_capacity(target);
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let per_tick = (turnover * 2).max(100);
@@ -337,9 +350,10 @@ fn idle_pool(
             while checked < 10.min(pool.len()) {
                 let index = fastrand::usize(..pool.len());
                 checked += 1;
-                if let Err(e) = round_trip(&mut pool[index], b"idle ping").await {
-                    drop(pool.swap_remove(index));
-                    load.record(&load.idle_lost, Err(e), "idle stream lost");
+                if let Err(e) = round_trip(&mut pool[index].0, b"idle ping").await {
+                    let (conn, opened) = pool.swap_remove(index);
+                    drop(conn);
+                    load.idle_stream_lost(opened, e);
                 }
             }
             let wanted = target.saturating_sub(pool.len()).min(per_tick);
@@ -354,7 +368,7 @@ fn idle_pool(
             for conn in opened {
                 match conn {
                     Ok(conn) => {
-                        pool.push(conn);
+                        pool.push((conn, Instant::now()));
                         load.idle_opened.ok.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(e) => load.record(&load.idle_opened, Err(e), "idle stream open"),
@@ -660,6 +674,7 @@ pub async fn run(args: &SoakArgs, progress: &Progress) -> anyhow::Result<Outcome
     let restart_at = load_started.elapsed().as_secs_f64();
     load.restarting.store(true, Ordering::Relaxed);
     let restart_began = Instant::now();
+    *load.restart_began.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(restart_began);
     let drained = gateway.terminate(Duration::from_secs(30)).await;
     gateway = ChildProcess::spawn(&gateway_bin, &gateway_config, &gateway_log)?;
     gateway_pid.store(gateway.pid, Ordering::Relaxed);
@@ -984,7 +999,7 @@ fn summarise(args: &SoakArgs, load: &Load, samples: &[Sample], base: &Rest, end:
         )
     };
     let text = format!(
-        "{}  CONNECT dials: {}\n  forwards: {}\n  bulk transfers: {} ({:.2} GiB)\n  idle streams and forwards: {} opened, {} closed, {} lost ({} during the restart)\n  \
+        "{}  CONNECT dials: {}\n  forwards: {}\n  bulk transfers: {} ({:.2} GiB)\n  idle streams and forwards: {} opened, {} closed, {} lost ({} open when the gateway restarted)\n  \
          extra agents: {} starts, {} stops; their dials: {}\n",
         table.render(),
         tally(&load.dials),
