@@ -29,7 +29,7 @@ fn main() -> ExitCode {
         println!("configuration OK: agent {} -> {}", config.agent_id(), config.gateway.url);
         return ExitCode::SUCCESS;
     }
-    let runtime = config.runtime.clone();
+    let runtime = config.runtime();
     cli::run("tether-agent", &runtime, run(cli, config))
 }
 

@@ -47,8 +47,8 @@ pub fn start_telemetry(args: &CommonArgs, log: &LogConfig) -> Result<PrometheusH
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeConfig {
-    /// Worker threads of the async runtime. Unset: `TOKIO_WORKER_THREADS` if set, else one per
-    /// CPU the process may use (a cgroup CPU quota counts).
+    /// Worker threads of the async runtime. Unset: the binary's default (the gateway: one per CPU
+    /// the process may use, a cgroup CPU quota included, or `TOKIO_WORKER_THREADS`; the agent: 1).
     #[serde(default)]
     pub worker_threads: Option<usize>,
 }
