@@ -53,7 +53,7 @@ pub fn from_yaml<T: DeserializeOwned>(file: Option<&Path>, text: Option<&str>) -
         for (key, value) in &parsed {
             check_key(key, value).map_err(error)?;
         }
-        builder = builder.add_source(config::File::from_str(text, config::FileFormat::Yaml).required(true));
+        builder = builder.add_source(Parsed(parsed));
     }
     if let Some((name, _)) = std::env::vars_os().find(|(name, _)| {
         let name = name.to_string_lossy();
@@ -78,6 +78,21 @@ pub fn from_yaml<T: DeserializeOwned>(file: Option<&Path>, text: Option<&str>) -
     );
     let merged = builder.build().map_err(|e| error(e.to_string()))?;
     merged.try_deserialize().map_err(|e| error(e.to_string()))
+}
+
+/// A file already parsed (to check its keys), handed to the `config` builder as it is instead of
+/// being parsed a second time.
+#[derive(Debug, Clone)]
+struct Parsed(config::Map<String, config::Value>);
+
+impl config::Source for Parsed {
+    fn clone_into_box(&self) -> Box<dyn config::Source + Send + Sync> {
+        Box::new(self.clone())
+    }
+
+    fn collect(&self) -> Result<config::Map<String, config::Value>, config::ConfigError> {
+        Ok(self.0.clone())
+    }
 }
 
 /// The `config` crate reads `[` in a key as an index into a list and grows the list to it: a key
