@@ -60,14 +60,6 @@ pub struct AgentConfig {
 /// threads. Bulk-heavy agents can raise it together with `gateway.pool.sessions_per_replica`.
 pub const DEFAULT_WORKER_THREADS: usize = 1;
 
-impl AgentConfig {
-    /// The runtime this agent runs on: the configured one, with the agent's default thread count.
-    pub fn runtime(&self) -> tether_tunnel::cli::RuntimeConfig {
-        tether_tunnel::cli::RuntimeConfig {
-            worker_threads: Some(self.runtime.worker_threads.unwrap_or(DEFAULT_WORKER_THREADS)),
-        }
-    }
-}
 
 /// How to reach the gateway.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -302,6 +294,13 @@ mod defaults {
 }
 
 impl AgentConfig {
+    /// The runtime this agent runs on: the configured one, with the agent's default thread count.
+    pub fn runtime(&self) -> tether_tunnel::cli::RuntimeConfig {
+        tether_tunnel::cli::RuntimeConfig {
+            worker_threads: Some(self.runtime.worker_threads.unwrap_or(DEFAULT_WORKER_THREADS)),
+        }
+    }
+
     /// Loads the file (if any) plus environment overrides, then validates.
     pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
         Self::load_checked(file, true)

@@ -60,7 +60,7 @@ impl RuntimeConfig {
     /// What is wrong with `worker_threads`, if anything.
     pub fn worker_threads_problem(&self) -> Option<String> {
         match self.worker_threads {
-            Some(0) => Some("must be at least 1 (or unset: one per CPU)".into()),
+            Some(0) => Some("must be at least 1".into()),
             Some(n) if n > MAX_WORKER_THREADS => Some(format!("{n} is more than {MAX_WORKER_THREADS}")),
             _ => None,
         }
