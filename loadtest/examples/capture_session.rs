@@ -115,9 +115,11 @@ async fn main() -> anyhow::Result<()> {
         // mux_frames: the first input byte is the number of chunk-size bytes that follow (none).
         let mut seed = vec![0u8];
         seed.extend_from_slice(&mux);
-        written += write_seed(&out.join("mux_frames"), &format!("session-{direction}"), &seed)?;
+        write_seed(&out.join("mux_frames"), &format!("session-{direction}"), &seed)?;
+        written += 1;
         for (name, frame) in tunnel_frames(&mux)? {
-            written += write_seed(&out.join("tunnel_protocol"), &format!("{direction}-{name}"), &frame)?;
+            write_seed(&out.join("tunnel_protocol"), &format!("{direction}-{name}"), &frame)?;
+            written += 1;
         }
     }
     println!("wrote {written} seeds under {}", out.display());
@@ -241,8 +243,8 @@ fn tunnel_frames(mux: &[u8]) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
     Ok(frames)
 }
 
-fn write_seed(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<usize> {
+fn write_seed(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join(name), bytes)?;
-    Ok(1)
+    Ok(())
 }

@@ -242,15 +242,11 @@ pub fn write_named_agent_config(
     ports: &GatewayPorts,
     spec: &AgentProcessSpec<'_>,
 ) -> anyhow::Result<AgentFiles> {
-    let (config, token, log) = if spec.name == "node-1" {
-        ("agent.yaml".to_owned(), "agent.token".to_owned(), "agent.log".to_owned())
-    } else {
-        (format!("{}.yaml", spec.name), format!("{}.token", spec.name), format!("{}.log", spec.name))
-    };
-    let dir = creds.dir.path();
-    let files = AgentFiles { config: dir.join(config), token: dir.join(token), log: dir.join(log) };
+    let file = |extension: &str| creds.dir.path().join(format!("{}.{extension}", spec.name));
+    let files = AgentFiles { config: file("yaml"), token: file("token"), log: file("log") };
     write_private(&files.token, creds.token(spec.name)?.as_bytes())?;
     let mut addresses: Vec<String> = spec.allowed.iter().map(|a| a.ip().to_string()).collect();
+    addresses.sort();
     addresses.dedup();
     let allow: Vec<serde_json::Value> = spec
         .allowed

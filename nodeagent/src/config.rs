@@ -60,7 +60,6 @@ pub struct AgentConfig {
 /// threads. Bulk-heavy agents can raise it together with `gateway.pool.sessions_per_replica`.
 pub const DEFAULT_WORKER_THREADS: usize = 1;
 
-
 /// How to reach the gateway.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

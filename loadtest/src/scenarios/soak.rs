@@ -113,8 +113,8 @@ struct Load {
     idle_opened: Tally,
     idle_closed: AtomicU64,
     idle_lost: Tally,
-    idle_open: Arc<AtomicUsize>,
-    idle_forwards_open: Arc<AtomicUsize>,
+    idle_open: AtomicUsize,
+    idle_forwards_open: AtomicUsize,
     churn_dials: Tally,
     churn_starts: AtomicU64,
     churn_stops: AtomicU64,
@@ -327,7 +327,7 @@ fn idle_pool(
     route: Route,
     target: usize,
     turnover: usize,
-    held: Arc<AtomicUsize>,
+    held: fn(&Load) -> &AtomicUsize,
     load: Arc<Load>,
     stop: CancellationToken,
 ) -> JoinHandle<()> {
@@ -374,11 +374,11 @@ fn idle_pool(
                     Err(e) => load.record(&load.idle_opened, Err(e), "idle stream open"),
                 }
             }
-            held.store(pool.len(), Ordering::Relaxed);
+            held(&load).store(pool.len(), Ordering::Relaxed);
         }
         load.idle_closed.fetch_add(pool.len() as u64, Ordering::Relaxed);
         drop(pool);
-        held.store(0, Ordering::Relaxed);
+        held(&load).store(0, Ordering::Relaxed);
     })
 }
 
@@ -510,7 +510,7 @@ fn gateway_config(creds: &Credentials, ports: &GatewayPorts, forward_target: Soc
 }
 
 /// The figures at rest (before and after the load) that must match.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Rest {
     gateway: Side,
     agent: Side,
@@ -622,7 +622,7 @@ pub async fn run(args: &SoakArgs, progress: &Progress) -> anyhow::Result<Outcome
             dial_route.clone(),
             args.idle_streams,
             args.idle_turnover,
-            load.idle_open.clone(),
+            |l| &l.idle_open,
             load.clone(),
             stop_load.clone(),
         ),
@@ -630,7 +630,7 @@ pub async fn run(args: &SoakArgs, progress: &Progress) -> anyhow::Result<Outcome
             forward_route,
             args.idle_forwards,
             args.idle_turnover.min(args.idle_forwards / 10).max(1),
-            load.idle_forwards_open.clone(),
+            |l| &l.idle_forwards_open,
             load.clone(),
             stop_load.clone(),
         ),
