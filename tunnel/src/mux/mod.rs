@@ -225,6 +225,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         close_deadline: None,
         ping: None,
         last_ping: None,
+        defer: Defer::default(),
     };
     let task = async move {
         let _ended = EndGuard(shared);
@@ -699,6 +700,53 @@ struct SessionDriver<L> {
     ping: Option<(u32, std::time::Instant)>,
     /// When the last ping was sent.
     last_ping: Option<std::time::Instant>,
+    defer: Defer,
+}
+
+/// Coalescing of frames queued by different streams at about the same time.
+///
+/// Woken with frames to send, the driver goes to the back of the run queue once before writing,
+/// so that the streams made ready together (a batch of requests on many connections) queue their
+/// frames too, and one write carries them all instead of one write, TLS record and wake-up of the
+/// peer per frame. A deferral that gained nothing (a single busy stream, or a quiet session) makes
+/// the driver skip the next ones, exponentially up to [`DEFER_BACKOFF_MAX`], so a lone
+/// request/response exchange does not pay for the extra turn: on a multi-threaded runtime the
+/// turn can also wake an idle worker.
+#[derive(Default)]
+struct Defer {
+    /// Bytes queued when the driver put its write off; `Some` until it runs again.
+    put_off_at: Option<usize>,
+    /// Opportunities to skip before deferring again.
+    skip: u32,
+    /// The skip set after the last deferral that gained nothing.
+    backoff: u32,
+}
+
+/// Most write opportunities skipped after deferrals that gained nothing.
+const DEFER_BACKOFF_MAX: u32 = 255;
+
+impl Defer {
+    /// Whether to put off writing the `queued` bytes (the caller re-wakes the driver and returns).
+    fn put_off(&mut self, queued: usize) -> bool {
+        if let Some(before) = self.put_off_at.take() {
+            if queued > before {
+                self.backoff = 0;
+            } else {
+                self.backoff = (self.backoff * 2 + 1).min(DEFER_BACKOFF_MAX);
+                self.skip = self.backoff;
+            }
+            return false;
+        }
+        if queued == 0 {
+            return false;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
+            return false;
+        }
+        self.put_off_at = Some(queued);
+        true
+    }
 }
 
 /// How often the round trip is measured again while the session is busy.
@@ -712,6 +760,10 @@ impl<L: Link> SessionDriver<L> {
         self.shared.driver.register(cx.waker());
         if !self.closing && self.shared.close_requested.is_cancelled() {
             self.begin_close(GoAway::Normal);
+        }
+        if !self.closing && self.pending.is_none() && self.defer.put_off(self.shared.lock().out.len()) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         self.maybe_ping();
         for _ in 0..ROUNDS_PER_POLL {

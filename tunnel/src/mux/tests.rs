@@ -523,3 +523,99 @@ async fn abandoned_resolves_on_a_reset_or_the_sessions_end_and_not_before() {
     within("abandoned when the session ends", inbound.abandoned()).await;
     drop(server);
 }
+
+/// A link that counts the batches the session hands it.
+struct CountingLink {
+    inner: ByteLink<DuplexStream>,
+    batches: Arc<AtomicUsize>,
+}
+
+impl Link for CountingLink {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>> {
+        self.inner.poll_recv(cx)
+    }
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.inner.poll_ready(cx)
+    }
+    fn start_send(&mut self, batch: Batch) -> io::Result<()> {
+        self.batches.fetch_add(1, Ordering::SeqCst);
+        self.inner.start_send(batch)
+    }
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.inner.poll_flush(cx)
+    }
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.inner.poll_close(cx)
+    }
+}
+
+/// Requests arriving together on many connections: each stream's task queues its frame and wakes
+/// the driver, which a multi-threaded runtime runs next (its "LIFO slot"). Without deferring its
+/// write once, the driver would send every frame on its own (one write, TLS record and wake-up of
+/// the peer each); with it, the frames leave together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn frames_queued_by_many_streams_at_once_leave_in_a_few_writes() {
+    const STREAMS: usize = 32;
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let batches = Arc::new(AtomicUsize::new(0));
+    let link = CountingLink { inner: ByteLink::new(a), batches: batches.clone() };
+    let (client, _client_in, client_driver) = start(link, Role::Client, &MuxSettings::default());
+    let (_server, mut server_in, server_driver) = start(ByteLink::new(b), Role::Server, &MuxSettings::default());
+    tokio::spawn(client_driver);
+    tokio::spawn(server_driver);
+
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let mut writers = Vec::new();
+    for _ in 0..STREAMS {
+        let mut stream = client.open().await.unwrap();
+        let mut go = go_rx.clone();
+        writers.push(tokio::spawn(async move {
+            go.wait_for(|go| *go).await.unwrap();
+            stream.write_all(&[7u8; 100]).await.unwrap();
+            stream
+        }));
+    }
+    // Let the session's first ping go out and every writer wait.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = batches.load(Ordering::SeqCst);
+    // Wake all writers from a task on the runtime's worker, as its I/O driver would.
+    tokio::spawn(async move { go_tx.send(true).unwrap() }).await.unwrap();
+    for _ in 0..STREAMS {
+        let mut accepted = within("a stream is accepted", server_in.accept()).await.unwrap();
+        let mut got = [0u8; 100];
+        within("its request arrives", accepted.read_exact(&mut got)).await.unwrap();
+        assert_eq!(got, [7u8; 100]);
+    }
+    let writes = batches.load(Ordering::SeqCst) - before;
+    assert!(writes <= 4, "{STREAMS} frames queued together went out in {writes} writes");
+    for writer in writers {
+        drop(writer.await.unwrap());
+    }
+}
+
+#[test]
+fn a_deferral_that_gains_nothing_backs_off_and_one_that_gains_resets() {
+    let mut defer = Defer::default();
+    assert!(!defer.put_off(0), "nothing to write, nothing to put off");
+    assert!(defer.put_off(100), "a first write is put off once");
+    assert!(!defer.put_off(100), "and then written");
+    // Nothing was gained: the next opportunity is skipped, then the one after is tried again.
+    assert!(!defer.put_off(100));
+    assert!(defer.put_off(100));
+    assert!(!defer.put_off(100));
+    // Two failures in a row: three opportunities skipped.
+    let skipped = (0..10).take_while(|_| !defer.put_off(100)).count();
+    assert_eq!(skipped, 3);
+    // This one gains (another stream queued meanwhile): the next write is put off at once.
+    assert!(!defer.put_off(300));
+    assert!(defer.put_off(100));
+    assert!(!defer.put_off(100));
+    // The backoff is bounded.
+    for _ in 0..1000 {
+        if defer.put_off(100) {
+            assert!(!defer.put_off(100));
+        }
+    }
+    let skipped = (0..1000).take_while(|_| !defer.put_off(100)).count();
+    assert!(skipped <= DEFER_BACKOFF_MAX as usize, "skipped {skipped}");
+}
