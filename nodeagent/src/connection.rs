@@ -668,13 +668,13 @@ fn note_token_expiry(token: &str) {
 }
 
 /// Lists a live session in the agent state and the sessions gauge until dropped.
-struct LiveSession {
+pub(crate) struct LiveSession {
     state: Arc<AgentState>,
     id: u64,
 }
 
 impl LiveSession {
-    fn new(state: Arc<AgentState>, server_id: String, session: Session) -> Self {
+    pub(crate) fn new(state: Arc<AgentState>, server_id: String, session: Session) -> Self {
         let id = state.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut live) = state.live.lock() {
             live.push(LiveEntry { id, server_id, session });

@@ -10,9 +10,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use tether_tunnel::framed::{read_frame, write_frame};
+use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{ForwardRequest, MAX_STREAM_FRAME, StreamOpen, StreamResult};
 use tether_tunnel::splice::{Direction, splice_mux};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -54,6 +57,35 @@ pub struct ForwardContext {
     pub tasks: TaskTracker,
 }
 
+/// Most bytes sent ahead of the gateway's answer.
+const EARLY_DATA_MAX: usize = 64 * 1024;
+
+/// Early data: waits for the gateway's answer or the client's first bytes, whichever comes first,
+/// and sends the bytes behind the open frame (at most [`EARLY_DATA_MAX`]). A client that speaks
+/// first (an HTTP request, a TLS ClientHello) then does not wait a round trip through the tunnel
+/// for the answer before its bytes leave; the gateway leaves them in the stream until it has
+/// connected, and drops them with the stream when it refuses. Answers the bytes sent.
+async fn send_early_data(client: &mut TcpStream, stream: &mut MuxStream) -> std::io::Result<usize> {
+    tokio::select! {
+        biased;
+        () = stream.readable() => Ok(0),
+        ready = client.readable() => {
+            ready?;
+            let mut buf = BytesMut::with_capacity(EARLY_DATA_MAX);
+            match client.try_read_buf(&mut buf) {
+                // End of stream (or a spurious wake-up): the splice sees it again.
+                Ok(0) => Ok(0),
+                Ok(n) => {
+                    stream.write_all(&buf).await?;
+                    Ok(n)
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
+                Err(e) => Err(e),
+            }
+        }
+    }
+}
+
 /// Accepts node-side connections until `stop` is cancelled.
 pub async fn serve(listener: ForwardListener, ctx: ForwardContext, stop: CancellationToken) {
     loop {
@@ -93,6 +125,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     // A session may be dying unnoticed (its gateway just went away): a stream that breaks before
     // the gateway answers is retried on the next live session until the wait is over.
     let deadline = tokio::time::Instant::now() + ctx.wait;
+    let mut early = 0;
     let mut stream = loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let Some(session) = ctx.state.wait_for_session(left).await else {
@@ -104,6 +137,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
             let mut stream = session.open().await.map_err(|e| ("tunnel_error", e.to_string()))?;
             let request = StreamOpen::Forward(ForwardRequest { target: target.to_string() });
             write_frame(&mut stream, &request, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
+            early = send_early_data(&mut client, &mut stream).await.map_err(|e| ("tunnel_error", e.to_string()))?;
             let result: StreamResult =
                 read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
             if result.ok {
@@ -115,7 +149,8 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
         };
         match tokio::time::timeout(ctx.wait + Duration::from_secs(10), opened).await {
             Ok(Ok(stream)) => break stream,
-            Ok(Err(("tunnel_error", reason))) if tokio::time::Instant::now() < deadline => {
+            // Bytes already taken from the client cannot be sent again on another session.
+            Ok(Err(("tunnel_error", reason))) if early == 0 && tokio::time::Instant::now() < deadline => {
                 tracing::debug!(%target, %peer, %reason, "session broke before the gateway answered; retrying");
                 // Until the broken session is noticed, it may be picked again; pace the retries.
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -138,6 +173,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     open.increment(1.0);
     let to_cp = metrics::counter!(FORWARD_BYTES, "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "target" => label, "direction" => "from_controlplane");
+    to_cp.increment(early as u64);
     let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
         Direction::AToB => to_cp.increment(n as u64),
         Direction::BToA => from_cp.increment(n as u64),
@@ -146,5 +182,95 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     open.decrement(1.0);
     if let Err(e) = copied {
         tracing::debug!(%target, %peer, error = %e, "forwarded connection ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::connection::{LiveSession, PoolMode};
+    use tether_tunnel::mux::{self, ByteLink, Incoming, MuxSettings, Role};
+    use tokio::io::AsyncReadExt;
+
+    async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), future).await.unwrap_or_else(|_| panic!("timed out: {what}"))
+    }
+
+    /// A listener for target `api` over an in-memory session; the test plays the gateway.
+    async fn forwarding() -> (SocketAddr, Incoming, LiveSession, CancellationToken) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let (agent, _agent_in, agent_driver) = mux::start(ByteLink::new(a), Role::Client, &MuxSettings::default());
+        let (_gateway, gateway_in, gateway_driver) =
+            mux::start(ByteLink::new(b), Role::Server, &MuxSettings::default());
+        tokio::spawn(agent_driver);
+        tokio::spawn(gateway_driver);
+        let state = Arc::new(AgentState::new(PoolMode::All, 1));
+        let live = LiveSession::new(state.clone(), "gateway-0".into(), agent);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let ctx = ForwardContext { state, wait: Duration::from_secs(5), tasks: TaskTracker::new() };
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(ForwardListener::new(listener, "api", 8), ctx, stop.clone()));
+        (addr, gateway_in, live, stop)
+    }
+
+    /// Early data: the client's first bytes reach the gateway before it has answered the open
+    /// frame, so a client that speaks first saves a round trip through the tunnel.
+    #[tokio::test]
+    async fn a_clients_first_bytes_travel_before_the_gateway_answers() {
+        let (addr, mut gateway_in, _live, stop) = forwarding().await;
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        client.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+
+        let mut stream = within("the forward stream", gateway_in.accept()).await.unwrap();
+        let open: StreamOpen = read_frame(&mut stream, MAX_STREAM_FRAME).await.unwrap();
+        assert_eq!(open, StreamOpen::Forward(ForwardRequest { target: "api".into() }));
+        let mut request = [0u8; 25];
+        within("the request, before any answer", stream.read_exact(&mut request)).await.unwrap();
+        assert_eq!(&request, b"GET /healthz HTTP/1.1\r\n\r\n");
+
+        write_frame(&mut stream, &StreamResult::ok(), MAX_STREAM_FRAME).await.unwrap();
+        stream.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        stream.shutdown().await.unwrap();
+        let mut response = Vec::new();
+        within("the response", client.read_to_end(&mut response)).await.unwrap();
+        assert_eq!(response, b"HTTP/1.1 200 OK\r\n\r\n");
+        // The rest of the exchange is an ordinary splice.
+        client.write_all(b"more").await.unwrap();
+        let mut more = [0u8; 4];
+        within("later bytes", stream.read_exact(&mut more)).await.unwrap();
+        assert_eq!(&more, b"more");
+        stop.cancel();
+    }
+
+    /// A refused forward drops what the client sent early and closes its connection; a client
+    /// that waits for the server to speak first is forwarded as before.
+    #[tokio::test]
+    async fn early_bytes_die_with_a_refusal_and_a_silent_client_is_forwarded() {
+        let (addr, mut gateway_in, _live, stop) = forwarding().await;
+        let mut refused = TcpStream::connect(addr).await.unwrap();
+        refused.write_all(b"hello").await.unwrap();
+        let mut stream = within("the forward stream", gateway_in.accept()).await.unwrap();
+        let _: StreamOpen = read_frame(&mut stream, MAX_STREAM_FRAME).await.unwrap();
+        let refusal = StreamResult::refused(tether_tunnel::protocol::ErrorCode::DialFailed, "connection refused");
+        write_frame(&mut stream, &refusal, MAX_STREAM_FRAME).await.unwrap();
+        drop(stream);
+        let mut rest = Vec::new();
+        let _ = within("the refused client is closed", refused.read_to_end(&mut rest)).await;
+        assert!(rest.is_empty());
+
+        let mut silent = TcpStream::connect(addr).await.unwrap();
+        let mut stream = within("the second forward stream", gateway_in.accept()).await.unwrap();
+        let _: StreamOpen = read_frame(&mut stream, MAX_STREAM_FRAME).await.unwrap();
+        write_frame(&mut stream, &StreamResult::ok(), MAX_STREAM_FRAME).await.unwrap();
+        stream.write_all(b"220 ready\r\n").await.unwrap();
+        let mut greeting = [0u8; 11];
+        within("the server speaks first", silent.read_exact(&mut greeting)).await.unwrap();
+        assert_eq!(&greeting, b"220 ready\r\n");
+        silent.write_all(b"QUIT\r\n").await.unwrap();
+        let mut quit = [0u8; 6];
+        within("the client's answer", stream.read_exact(&mut quit)).await.unwrap();
+        assert_eq!(&quit, b"QUIT\r\n");
+        stop.cancel();
     }
 }

@@ -630,6 +630,20 @@ impl MuxStream {
         st.poll_nothing_buffered(cx).map_ok(|()| None)
     }
 
+    /// Resolves once a read would not wait (bytes or the end of the stream arrived, the peer reset
+    /// the stream, or the session ended), without taking anything.
+    pub async fn readable(&self) {
+        std::future::poll_fn(|cx| {
+            let mut st = self.cell.lock();
+            if st.recv_len > 0 || st.recv_fin || st.reset || st.ended {
+                return Poll::Ready(());
+            }
+            st.reader = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+    }
+
     /// Resolves once the peer has reset the stream or the session has ended, without taking any
     /// received bytes: lets work done on the stream's behalf (an agent's connect) stop as soon as
     /// the other side gives up. The stream's reader must not be polled meanwhile.
