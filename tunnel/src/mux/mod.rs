@@ -722,10 +722,11 @@ struct SessionDriver<L> {
 /// Woken with frames to send, the driver goes to the back of the run queue once before writing,
 /// so that the streams made ready together (a batch of requests on many connections) queue their
 /// frames too, and one write carries them all instead of one write, TLS record and wake-up of the
-/// peer per frame. A deferral that gained nothing (a single busy stream, or a quiet session) makes
-/// the driver skip the next ones, exponentially up to [`DEFER_BACKOFF_MAX`], so a lone
-/// request/response exchange does not pay for the extra turn: on a multi-threaded runtime the
-/// turn can also wake an idle worker.
+/// peer per frame. A session with fewer than [`COALESCE_MIN_STREAMS`] streams open never defers,
+/// and a deferral that gained nothing (a single busy stream among idle ones) makes the driver skip
+/// the next ones, exponentially up to [`DEFER_BACKOFF_MAX`], so a lone request/response exchange
+/// does not pay for the extra turn: on a multi-threaded runtime the turn can also wake an idle
+/// worker.
 #[derive(Default)]
 struct Defer {
     /// Bytes queued when the driver put its write off; `Some` until it runs again.
@@ -735,6 +736,10 @@ struct Defer {
     /// The skip set after the last deferral that gained nothing.
     backoff: u32,
 }
+
+/// Open streams from which the driver defers writes: coalescing needs frames of two streams, and
+/// a session's first stream is usually its control stream, which is quiet.
+const COALESCE_MIN_STREAMS: usize = 3;
 
 /// Most write opportunities skipped after deferrals that gained nothing.
 const DEFER_BACKOFF_MAX: u32 = 255;
@@ -775,7 +780,11 @@ impl<L: Link> SessionDriver<L> {
         if !self.closing && self.shared.close_requested.is_cancelled() {
             self.begin_close(GoAway::Normal);
         }
-        if !self.closing && self.pending.is_none() && self.defer.put_off(self.shared.lock().out.len()) {
+        if !self.closing
+            && self.pending.is_none()
+            && self.shared.open_streams.load(Ordering::Relaxed) >= COALESCE_MIN_STREAMS
+            && self.defer.put_off(self.shared.lock().out.len())
+        {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
