@@ -64,23 +64,25 @@ const EARLY_DATA_MAX: usize = 64 * 1024;
 /// and sends the bytes behind the open frame (at most [`EARLY_DATA_MAX`]). A client that speaks
 /// first (an HTTP request, a TLS ClientHello) then does not wait a round trip through the tunnel
 /// for the answer before its bytes leave; the gateway leaves them in the stream until it has
-/// connected, and drops them with the stream when it refuses. Answers the bytes sent.
-async fn send_early_data(client: &mut TcpStream, stream: &mut MuxStream) -> std::io::Result<usize> {
+/// connected, and drops them with the stream when it refuses. `taken` counts the bytes read from
+/// the client (set before they are sent: a forward that took any cannot be retried elsewhere). A
+/// failing client is left to the splice to notice.
+async fn send_early_data(client: &mut TcpStream, stream: &mut MuxStream, taken: &mut usize) -> std::io::Result<()> {
     tokio::select! {
         biased;
-        () = stream.readable() => Ok(0),
+        () = stream.readable() => Ok(()),
         ready = client.readable() => {
-            ready?;
+            if ready.is_err() {
+                return Ok(());
+            }
             let mut buf = BytesMut::with_capacity(EARLY_DATA_MAX);
             match client.try_read_buf(&mut buf) {
-                // End of stream (or a spurious wake-up): the splice sees it again.
-                Ok(0) => Ok(0),
-                Ok(n) => {
-                    stream.write_all(&buf).await?;
-                    Ok(n)
+                Ok(n) if n > 0 => {
+                    *taken = n;
+                    stream.write_all(&buf).await
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(0),
-                Err(e) => Err(e),
+                // End of stream, a spurious wake-up or a failing client: the splice sees it again.
+                _ => Ok(()),
             }
         }
     }
@@ -137,7 +139,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
             let mut stream = session.open().await.map_err(|e| ("tunnel_error", e.to_string()))?;
             let request = StreamOpen::Forward(ForwardRequest { target: target.to_string() });
             write_frame(&mut stream, &request, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
-            early = send_early_data(&mut client, &mut stream).await.map_err(|e| ("tunnel_error", e.to_string()))?;
+            send_early_data(&mut client, &mut stream, &mut early).await.map_err(|e| ("tunnel_error", e.to_string()))?;
             let result: StreamResult =
                 read_frame(&mut stream, MAX_STREAM_FRAME).await.map_err(|e| ("tunnel_error", e.to_string()))?;
             if result.ok {
