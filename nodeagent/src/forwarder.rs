@@ -15,7 +15,6 @@ use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{ForwardRequest, MAX_STREAM_FRAME, StreamOpen, StreamResult};
 use tether_tunnel::splice::{Direction, splice_mux};
-use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -79,7 +78,11 @@ async fn send_early_data(client: &mut TcpStream, stream: &mut MuxStream, taken: 
             match client.try_read_buf(&mut buf) {
                 Ok(n) if n > 0 => {
                     *taken = n;
-                    stream.write_all(&buf).await
+                    // The buffer becomes the frame's body as it is (no copy into the session).
+                    while !buf.is_empty() {
+                        std::future::poll_fn(|cx| stream.poll_send_owned(cx, &mut buf)).await?;
+                    }
+                    Ok(())
                 }
                 // End of stream, a spurious wake-up or a failing client: the splice sees it again.
                 _ => Ok(()),
@@ -192,7 +195,7 @@ mod tests {
     use super::*;
     use crate::connection::{LiveSession, PoolMode};
     use tether_tunnel::mux::{self, ByteLink, Incoming, MuxSettings, Role};
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
         tokio::time::timeout(Duration::from_secs(10), future).await.unwrap_or_else(|_| panic!("timed out: {what}"))
