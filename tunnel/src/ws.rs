@@ -12,7 +12,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -89,6 +89,13 @@ pub struct KeepaliveSettings {
     pub ping_timeout: Duration,
 }
 
+impl KeepaliveSettings {
+    /// How long the peer may stay silent before it is declared dead.
+    fn silence_limit(&self) -> Duration {
+        self.ping_interval + self.ping_timeout
+    }
+}
+
 impl Default for KeepaliveSettings {
     fn default() -> Self {
         Self { ping_interval: Duration::from_secs(20), ping_timeout: Duration::from_secs(20) }
@@ -96,10 +103,19 @@ impl Default for KeepaliveSettings {
 }
 
 /// Keepalive timers of a WebSocket link: when to ping, and when a silent peer is dead.
+///
+/// This runs on every receive attempt of a busy link, so it touches the timer wheel only when a
+/// timer fires: hearing from the peer records the time, and the dead-peer timer is moved up to it
+/// when it fires; while the timers are registered with the task that polls them, a poll only reads
+/// whether they have fired.
 pub(crate) struct Keepalive {
     settings: KeepaliveSettings,
     next_ping: Pin<Box<Sleep>>,
     dead_at: Pin<Box<Sleep>>,
+    /// When the peer was last heard from.
+    heard: Instant,
+    /// The waker both timers were last polled with.
+    registered: Option<Waker>,
 }
 
 impl Keepalive {
@@ -108,25 +124,37 @@ impl Keepalive {
         Self {
             settings,
             next_ping: Box::pin(tokio::time::sleep_until(now + settings.ping_interval)),
-            dead_at: Box::pin(tokio::time::sleep_until(now + settings.ping_interval + settings.ping_timeout)),
+            dead_at: Box::pin(tokio::time::sleep_until(now + settings.silence_limit())),
+            heard: now,
+            registered: None,
         }
     }
 
     /// Anything arrived from the peer: it is alive.
     pub(crate) fn heard_from_peer(&mut self) {
-        let deadline = Instant::now() + self.settings.ping_interval + self.settings.ping_timeout;
-        self.dead_at.as_mut().reset(deadline);
+        self.heard = Instant::now();
     }
 
     /// Fails once the peer has been silent too long; otherwise answers whether a ping is due now
     /// (the timer is rearmed for the next one, and this task will wake for it).
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> io::Result<bool> {
-        if self.dead_at.as_mut().poll(cx).is_ready() {
-            let silent = self.settings.ping_interval + self.settings.ping_timeout;
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("peer sent nothing for {} s (not even a pong); declaring it dead", silent.as_secs()),
-            ));
+        if self.registered.as_ref().is_some_and(|w| w.will_wake(cx.waker()))
+            && !self.dead_at.is_elapsed()
+            && !self.next_ping.is_elapsed()
+        {
+            return Ok(false);
+        }
+        self.registered = Some(cx.waker().clone());
+        let silent = self.settings.silence_limit();
+        while self.dead_at.as_mut().poll(cx).is_ready() {
+            let deadline = self.heard + silent;
+            if deadline <= Instant::now() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("peer sent nothing for {} s (not even a pong); declaring it dead", silent.as_secs()),
+                ));
+            }
+            self.dead_at.as_mut().reset(deadline);
         }
         if self.next_ping.as_mut().poll(cx).is_pending() {
             return Ok(false);
