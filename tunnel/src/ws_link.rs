@@ -17,7 +17,7 @@ use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::mux::link::{MAX_SLICES, advance_segments};
@@ -85,7 +85,7 @@ struct OutFrame {
     header: [u8; 14],
     header_len: usize,
     header_sent: usize,
-    payload: VecDeque<Bytes>,
+    payload: VecDeque<BytesMut>,
 }
 
 impl OutFrame {
@@ -115,12 +115,12 @@ impl OutFrame {
                 offset += segment.len();
             }
         }
-        let payload = payload.into_segments().into_iter().map(BytesMut::freeze).collect();
+        let payload = payload.into_segments();
         Self { header, header_len: at, header_sent: 0, payload }
     }
 
     fn is_done(&self) -> bool {
-        self.header_sent == self.header_len && self.payload.iter().all(Bytes::is_empty)
+        self.header_sent == self.header_len && self.payload.iter().all(BytesMut::is_empty)
     }
 }
 
@@ -501,6 +501,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use futures::{SinkExt, StreamExt};
     use std::time::Duration;
     use tokio_tungstenite::WebSocketStream;

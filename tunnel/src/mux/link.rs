@@ -173,17 +173,17 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for ByteLink<T> {
 pub(crate) const MAX_SLICES: usize = 64;
 
 /// Drops the first `n` bytes of `segments` (what a vectored write took).
-pub(crate) fn advance_segments(segments: &mut VecDeque<Bytes>, mut n: usize) {
+pub(crate) fn advance_segments<B: Buf>(segments: &mut VecDeque<B>, mut n: usize) {
     while n > 0 {
         let Some(front) = segments.front_mut() else { return };
-        let k = n.min(front.len());
+        let k = n.min(front.remaining());
         front.advance(k);
         n -= k;
-        if front.is_empty() {
+        if !front.has_remaining() {
             segments.pop_front();
         }
     }
-    while segments.front().is_some_and(Bytes::is_empty) {
+    while segments.front().is_some_and(|s| !s.has_remaining()) {
         segments.pop_front();
     }
 }
