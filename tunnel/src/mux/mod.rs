@@ -84,8 +84,11 @@ pub const OUT_HARD_LIMIT: usize = 8 * 1024 * 1024;
 const MAX_BATCH: usize = 1024 * 1024;
 /// Size of a new output segment for small frames.
 const SEGMENT_SIZE: usize = 16 * 1024;
+/// Size of the first segment of an empty output: most batches of small frames hold one frame (a
+/// request, a window update), and an allocation this small takes the allocator's fast path.
+const FIRST_SEGMENT_SIZE: usize = 1024;
 /// Bodies handed over from this size on stay in their own buffer; smaller ones are copied.
-const OWNED_BODY_MIN: usize = 2048;
+pub(crate) const OWNED_BODY_MIN: usize = 2048;
 /// Rounds of reading and writing before the driver yields to other tasks.
 const ROUNDS_PER_POLL: usize = 16;
 
@@ -290,22 +293,26 @@ impl Inner {
                 self.out.grew(needed);
             }
             _ => {
-                let mut segment = BytesMut::with_capacity(needed.max(SEGMENT_SIZE));
+                let size = if self.out.is_empty() { FIRST_SEGMENT_SIZE } else { SEGMENT_SIZE };
+                let mut segment = BytesMut::with_capacity(needed.max(size));
                 put_frame(&mut segment, header, body);
                 self.out.push(segment);
             }
         }
     }
 
-    /// Queues a data frame whose body is handed over: a large body becomes a segment of its own,
-    /// so it is never copied on its way to the link.
-    fn queue_owned(&mut self, header: Header, body: BytesMut) {
-        if body.len() < OWNED_BODY_MIN {
-            self.queue(header, &body);
+    /// Queues a data frame of the first `len` bytes of `data`, removing them from it. A large body
+    /// becomes a segment of its own, so it is never copied on its way to the link; a small one is
+    /// copied, and `data` keeps its buffer for the next read (splitting it off would make the
+    /// buffer shared, which allocates).
+    fn queue_owned(&mut self, header: Header, data: &mut BytesMut, len: usize) {
+        if len < OWNED_BODY_MIN {
+            self.queue(header, &data[..len]);
+            data.advance(len);
             return;
         }
         self.queue(header, &[]);
-        self.out.push(body);
+        self.out.push(data.split_to(len));
     }
 }
 
@@ -601,7 +608,7 @@ impl MuxStream {
     /// body as they are) and removes what was sent from `data`. Answers the length sent.
     pub fn poll_send_owned(&mut self, cx: &mut Context<'_>, data: &mut BytesMut) -> Poll<io::Result<usize>> {
         let len = data.len();
-        self.poll_send_with(cx, len, |inner, header, k| inner.queue_owned(header, data.split_to(k)))
+        self.poll_send_with(cx, len, |inner, header, k| inner.queue_owned(header, data, k))
     }
 
     /// Takes received bytes as they arrived (a slice of the message they came in, not a copy), at
