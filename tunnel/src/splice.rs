@@ -238,10 +238,19 @@ const MAX_OWNED_READ: usize = 256 * 1024;
 const MAX_GATHER: usize = 256 * 1024;
 
 /// Stream -> multiplexer: reads into buffers handed over to the multiplexer.
+///
+/// After a small read (and at the start, and after idling) the next read goes into the thread's
+/// scratch buffer instead of a new buffer of its own: a small read is copied into the session's
+/// output, which it would be anyway (the multiplexer copies bodies under
+/// [`OWNED_BODY_MIN`](crate::mux::OWNED_BODY_MIN)), so a request/response exchange allocates no read
+/// buffer per message. A large read moves into a buffer of its own, and the reads after it fill
+/// such buffers directly, which become frame bodies without a copy.
 struct IntoMux {
     /// Read, not yet taken by the multiplexer; the spare capacity takes the next read.
     buf: BytesMut,
     read_size: usize,
+    /// The last read was small (or there was none yet).
+    small: bool,
     read_done: bool,
     shut_down: bool,
     total: u64,
@@ -249,7 +258,14 @@ struct IntoMux {
 
 impl Default for IntoMux {
     fn default() -> Self {
-        Self { buf: BytesMut::new(), read_size: MIN_OWNED_READ, read_done: false, shut_down: false, total: 0 }
+        Self {
+            buf: BytesMut::new(),
+            read_size: MIN_OWNED_READ,
+            small: true,
+            read_done: false,
+            shut_down: false,
+            total: 0,
+        }
     }
 }
 
@@ -276,11 +292,11 @@ impl IntoMux {
                 self.shut_down = true;
                 return Poll::Ready(Ok(()));
             }
-            if self.buf.capacity() < MIN_OWNED_READ / 4 {
-                self.buf = BytesMut::with_capacity(self.read_size);
-            }
-            let spare = self.buf.capacity();
-            match tokio_util::io::poll_read_buf(Pin::new(&mut *reader), cx, &mut self.buf) {
+            let read = match self.small.then(|| self.poll_read_scratch(cx, reader, mux)).flatten() {
+                Some(read) => read,
+                None => self.poll_read_owned(cx, reader),
+            };
+            match read {
                 Poll::Pending => {
                     // Idle: hold no buffer.
                     self.buf = BytesMut::new();
@@ -291,14 +307,71 @@ impl IntoMux {
                 Poll::Ready(Ok(n)) => {
                     on_bytes(n);
                     self.total += n as u64;
-                    if n == spare {
-                        self.read_size = (self.read_size * 2).min(MAX_OWNED_READ);
-                    }
+                    self.small = n < crate::mux::OWNED_BODY_MIN;
                 }
             }
         }
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// Reads into a buffer of the stream's own, which is handed over as it is.
+    fn poll_read_owned<R>(&mut self, cx: &mut Context<'_>, reader: &mut R) -> Poll<io::Result<usize>>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        if self.buf.capacity() < MIN_OWNED_READ / 4 {
+            self.buf = BytesMut::with_capacity(self.read_size);
+        }
+        let spare = self.buf.capacity();
+        let read = ready!(tokio_util::io::poll_read_buf(Pin::new(&mut *reader), cx, &mut self.buf))?;
+        if read == spare {
+            self.read_size = (self.read_size * 2).min(MAX_OWNED_READ);
+        }
+        Poll::Ready(Ok(read))
+    }
+
+    /// Reads into the thread's scratch buffer: what the session takes at once is copied into its
+    /// output, the rest moves into `buf`. `None` when the scratch buffer is in use.
+    fn poll_read_scratch<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        reader: &mut R,
+        mux: &mut MuxStream,
+    ) -> Option<Poll<io::Result<usize>>>
+    where
+        R: AsyncRead + Unpin + ?Sized,
+    {
+        SCRATCH
+            .try_with(|scratch| {
+                let mut scratch = scratch.try_borrow_mut().ok()?;
+                let limit = self.read_size.min(scratch.len());
+                let mut read = ReadBuf::new(&mut scratch[..limit]);
+                Some(match Pin::new(&mut *reader).poll_read(cx, &mut read) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                    Poll::Ready(Ok(())) => {
+                        let filled = read.filled();
+                        let mut sent = 0;
+                        if filled.len() < crate::mux::OWNED_BODY_MIN {
+                            while sent < filled.len() {
+                                match Pin::new(&mut *mux).poll_write(cx, &filled[sent..]) {
+                                    Poll::Ready(Ok(k)) => sent += k,
+                                    // Kept for the next poll, which meets the error or the wait.
+                                    Poll::Ready(Err(_)) | Poll::Pending => break,
+                                }
+                            }
+                        }
+                        if sent < filled.len() {
+                            self.buf = BytesMut::with_capacity(self.read_size.max(filled.len() - sent));
+                            self.buf.extend_from_slice(&filled[sent..]);
+                        }
+                        Poll::Ready(Ok(filled.len()))
+                    }
+                })
+            })
+            .ok()
+            .flatten()
     }
 }
 
@@ -471,5 +544,50 @@ mod tests {
         let exit_stats = exit_side.await.unwrap();
         assert_eq!(entry_stats, SpliceStats { a_to_b: request.len() as u64, b_to_a: response.len() as u64 });
         assert_eq!(exit_stats, SpliceStats { a_to_b: response.len() as u64, b_to_a: request.len() as u64 });
+    }
+
+    /// Small reads go through the thread's scratch buffer; once the stream's credit runs out, what
+    /// the session cannot take moves into a buffer of the stream's own and is sent first later.
+    #[tokio::test]
+    async fn small_reads_that_outrun_the_window_arrive_whole_and_in_order() {
+        use crate::mux::{self, ByteLink, MuxSettings, Role};
+        let (link_a, link_b) = tokio::io::duplex(64 * 1024);
+        let settings = MuxSettings::default();
+        let (client, _client_in, client_driver) = mux::start(ByteLink::new(link_a), Role::Client, &settings);
+        let (_server, mut server_in, server_driver) = mux::start(ByteLink::new(link_b), Role::Server, &settings);
+        tokio::spawn(client_driver);
+        tokio::spawn(server_driver);
+
+        // A 300-byte pipe: every read on the entry side is small.
+        let (mut app, mut entry) = tokio::io::duplex(300);
+        let mut opened = client.open().await.unwrap();
+        let entry_side = tokio::spawn(async move { splice_mux(&mut entry, &mut opened, |_, _| {}).await.unwrap() });
+        // More than the stream's 256 KiB window, which fills while nobody reads the far end.
+        let request: Vec<u8> = (0..700_001u32).map(|i| (i % 251) as u8).collect();
+        let writer = {
+            let request = request.clone();
+            tokio::spawn(async move {
+                app.write_all(&request).await.unwrap();
+                app.shutdown().await.unwrap();
+            })
+        };
+        let mut accepted = server_in.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut window = vec![0u8; 256 * 1024];
+        // Wait until the window is full: the entry side then holds bytes it read but cannot send.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!writer.is_finished(), "the writer is held back by the window");
+        loop {
+            let n = accepted.read(&mut window).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&window[..n]);
+        }
+        assert!(got == request, "all {} bytes arrive in order (got {})", request.len(), got.len());
+        writer.await.unwrap();
+        accepted.shutdown().await.unwrap();
+        let stats = entry_side.await.unwrap();
+        assert_eq!(stats.a_to_b, request.len() as u64);
     }
 }
