@@ -67,18 +67,27 @@ impl RuntimeConfig {
     }
 }
 
-/// Runs `main` on a multi-threaded runtime sized by `runtime`; an error is printed as
-/// `<name>: <error>` and exits 1.
+/// Runs `main` on a runtime sized by `runtime`; an error is printed as `<name>: <error>` and exits
+/// with 1.
+///
+/// With one worker thread this is tokio's current-thread scheduler: the same single thread as a
+/// multi-threaded runtime with one worker, without the bookkeeping for work stealing it would never
+/// do (after every batch of task polls it times them to tune a queue interval).
 pub fn run<F, E>(name: &str, runtime: &RuntimeConfig, main: F) -> ExitCode
 where
     F: Future<Output = Result<(), E>>,
     E: Display,
 {
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    let mut builder = match runtime.worker_threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(threads) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads.clamp(1, MAX_WORKER_THREADS));
+            builder
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     builder.enable_all();
-    if let Some(threads) = runtime.worker_threads {
-        builder.worker_threads(threads.clamp(1, MAX_WORKER_THREADS));
-    }
     let runtime = match builder.build() {
         Ok(runtime) => runtime,
         Err(e) => {
