@@ -36,6 +36,7 @@ use std::task::{Context, Poll, Waker};
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures::future::poll_fn;
+use futures::stream::FuturesUnordered;
 use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
@@ -172,6 +173,40 @@ impl Session {
     pub fn open_streams(&self) -> usize {
         self.shared.open_streams.load(Ordering::Relaxed)
     }
+
+    /// Runs `task` on the session's own task, beside the driver: for the work of one of its
+    /// streams (a splice between the stream and a socket). The stream's bytes then pass between
+    /// the socket and the link without a hand-over between tasks, which on a multi-threaded
+    /// runtime can mean a wake-up of another worker thread per chunk; frames that such tasks
+    /// queue together leave in one write. The task must not block. If the session has ended (or
+    /// ends first), the task runs as a task of its own instead, so it always runs to completion
+    /// (its streams fail at once).
+    pub fn spawn_local<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let task: LocalTask = Box::pin(task);
+        let mut inner = self.shared.lock();
+        if inner.ended {
+            drop(inner);
+            spawn_detached(task);
+            return;
+        }
+        inner.spawned.push(task);
+        drop(inner);
+        self.shared.spawn_pending.store(true, Ordering::Release);
+        self.shared.driver.wake();
+    }
+}
+
+/// A task run by a session's own task ([`Session::spawn_local`]).
+type LocalTask = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Runs a session-local task on its own, once its session has stopped.
+fn spawn_detached(task: LocalTask) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(task);
+    }
 }
 
 /// The receiving end for streams the peer opens.
@@ -206,8 +241,10 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
             growth_left: settings.window_growth,
             ended: false,
             going_away: false,
+            spawned: Vec::new(),
         }),
         driver: AtomicWaker::new(),
+        spawn_pending: std::sync::atomic::AtomicBool::new(false),
         open_streams: AtomicUsize::new(0),
         closed: CancellationToken::new(),
         close_requested: CancellationToken::new(),
@@ -229,6 +266,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         ping: None,
         last_ping: None,
         defer: Defer::default(),
+        local: None,
     };
     let task = async move {
         let _ended = EndGuard(shared);
@@ -240,6 +278,8 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
 struct SessionShared {
     inner: Mutex<Inner>,
     driver: AtomicWaker,
+    /// Tasks wait in [`Inner::spawned`] for the driver.
+    spawn_pending: std::sync::atomic::AtomicBool,
     open_streams: AtomicUsize,
     closed: CancellationToken,
     close_requested: CancellationToken,
@@ -280,6 +320,8 @@ struct Inner {
     growth_left: usize,
     ended: bool,
     going_away: bool,
+    /// Tasks handed to [`Session::spawn_local`], not yet taken by the driver.
+    spawned: Vec<LocalTask>,
 }
 
 impl Inner {
@@ -322,12 +364,19 @@ struct EndGuard(Arc<SessionShared>);
 impl Drop for EndGuard {
     fn drop(&mut self) {
         let shared = &self.0;
-        let (streams, waiters) = {
+        let (streams, waiters, spawned) = {
             let mut inner = shared.lock();
             inner.ended = true;
             inner.out = Batch::new();
-            (std::mem::take(&mut inner.streams), std::mem::take(&mut inner.room_waiters))
+            (
+                std::mem::take(&mut inner.streams),
+                std::mem::take(&mut inner.room_waiters),
+                std::mem::take(&mut inner.spawned),
+            )
         };
+        for task in spawned {
+            spawn_detached(task);
+        }
         for cell in streams.values().chain(waiters.iter()) {
             let mut st = cell.lock();
             st.ended = true;
@@ -722,6 +771,20 @@ struct SessionDriver<L> {
     /// When the last ping was sent.
     last_ping: Option<std::time::Instant>,
     defer: Defer,
+    /// Tasks run beside the driver ([`Session::spawn_local`]); `None` while there are none, so an
+    /// idle session holds no set.
+    local: Option<FuturesUnordered<LocalTask>>,
+}
+
+/// Tasks still running when the driver stops go on as tasks of their own: their streams fail,
+/// and they finish (closing their sockets, logging what they did).
+impl<L> Drop for SessionDriver<L> {
+    fn drop(&mut self) {
+        let spawned = std::mem::take(&mut self.shared.lock().spawned);
+        for task in spawned.into_iter().chain(self.local.take().into_iter().flatten()) {
+            spawn_detached(task);
+        }
+    }
 }
 
 /// Coalescing of frames queued by different streams at about the same time.
@@ -797,6 +860,7 @@ impl<L: Link> SessionDriver<L> {
         }
         self.maybe_ping();
         for _ in 0..ROUNDS_PER_POLL {
+            self.poll_local(cx);
             self.poll_send(cx)?;
             if self.closing {
                 return self.poll_finish_close(cx);
@@ -834,6 +898,23 @@ impl<L: Link> SessionDriver<L> {
         // Plenty of work: let other tasks run, and come back.
         cx.waker().wake_by_ref();
         Poll::Pending
+    }
+
+    /// Polls the session-local tasks that are ready (their streams got data or credit, their
+    /// sockets became ready), so that what they queue leaves in this round's write.
+    fn poll_local(&mut self, cx: &mut Context<'_>) {
+        if self.shared.spawn_pending.swap(false, Ordering::AcqRel) {
+            let spawned = std::mem::take(&mut self.shared.lock().spawned);
+            let local = self.local.get_or_insert_with(FuturesUnordered::new);
+            for task in spawned {
+                local.push(task);
+            }
+        }
+        let Some(local) = self.local.as_mut() else { return };
+        while let Poll::Ready(Some(())) = futures::StreamExt::poll_next_unpin(local, cx) {}
+        if local.is_empty() {
+            self.local = None;
+        }
     }
 
     /// Sends queued frames as batches, then flushes.

@@ -619,3 +619,47 @@ fn a_deferral_that_gains_nothing_backs_off_and_one_that_gains_resets() {
     let skipped = (0..1000).take_while(|_| !defer.put_off(100)).count();
     assert!(skipped <= DEFER_BACKOFF_MAX as usize, "skipped {skipped}");
 }
+
+/// A session-local task runs on the driver's own task (no hand-over between tasks for its
+/// stream's bytes); tasks still running when the session ends, and tasks handed over after it
+/// ended, run to completion as tasks of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_local_tasks_run_on_the_drivers_task_and_outlive_the_session() {
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let settings = MuxSettings::default();
+    let (client, _client_in, client_driver) = start(ByteLink::new(a), Role::Client, &settings);
+    let (server, mut server_in, server_driver) = start(ByteLink::new(b), Role::Server, &settings);
+    tokio::spawn(client_driver);
+    let server_driver = tokio::spawn(server_driver);
+    let driver_task = server_driver.id();
+
+    let mut out = client.open().await.unwrap();
+    out.write_all(b"hello").await.unwrap();
+    let mut inbound = within("accept", server_in.accept()).await.unwrap();
+    let (ran_on, ran_on_rx) = tokio::sync::oneshot::channel();
+    let (finished, finished_rx) = tokio::sync::oneshot::channel();
+    server.spawn_local(async move {
+        let _ = ran_on.send(tokio::task::id());
+        let mut word = [0u8; 5];
+        inbound.read_exact(&mut word).await.unwrap();
+        inbound.write_all(&word).await.unwrap();
+        // Waits for more until the session ends under it.
+        let mut rest = Vec::new();
+        let ended = inbound.read_to_end(&mut rest).await;
+        let _ = finished.send(ended.is_err());
+    });
+    assert_eq!(within("the task runs", ran_on_rx).await.unwrap(), driver_task);
+    let mut echo = [0u8; 5];
+    within("echo", out.read_exact(&mut echo)).await.unwrap();
+    assert_eq!(&echo, b"hello");
+
+    server.close();
+    within("the driver stops", server_driver).await.unwrap().unwrap();
+    assert!(within("the task finishes", finished_rx).await.unwrap(), "its stream failed when the session ended");
+
+    let (late, late_rx) = tokio::sync::oneshot::channel();
+    server.spawn_local(async move {
+        let _ = late.send(tokio::task::id());
+    });
+    assert_ne!(within("a task handed over late runs", late_rx).await.unwrap(), driver_task);
+}
