@@ -227,7 +227,11 @@ async fn serve(
             stream = incoming.accept() => match stream {
                 Some(stream) => {
                     let (tenant, agent_id, replica) = (tenant.clone(), agent_id.clone(), settings.server_id.clone());
-                    lifecycle.spawn_connection(async move { serve_inbound(stream, &tenant, &agent_id, &replica).await });
+                    // On the session's own task: its bytes then pass between the target's socket
+                    // and the tunnel without a hand-over between worker threads.
+                    session.spawn_local(lifecycle.track_connection(async move {
+                        serve_inbound(stream, &tenant, &agent_id, &replica).await;
+                    }));
                     continue;
                 }
                 None => Event::TransportEnded,

@@ -53,6 +53,15 @@ impl Lifecycle {
         self.connections.spawn(task);
     }
 
+    /// A tunnelled connection the drain waits for, to run on an agent session's own task
+    /// ([`tether_tunnel::mux::Session::spawn_local`]).
+    pub fn track_connection<F>(&self, task: F) -> impl Future<Output = ()> + Send + 'static
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.connections.track_future(task)
+    }
+
     /// Runs an agent session the drain waits for.
     pub fn spawn_session<F>(&self, task: F)
     where
