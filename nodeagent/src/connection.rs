@@ -479,7 +479,7 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
         tokio::select! {
             stream = incoming.accept() => match stream {
                 Some(stream) => {
-                    ctx.tasks.spawn(serve_stream(stream, ctx.policy.clone()));
+                    session.spawn_local(ctx.tasks.track_future(serve_stream(stream, ctx.policy.clone())));
                 }
                 None => break SessionEnd::Lost("the session closed".into()),
             },
@@ -597,7 +597,7 @@ async fn finish_draining(
             }
             stream = incoming.accept() => match stream {
                 Some(stream) => {
-                    ctx.tasks.spawn(serve_stream(stream, ctx.policy.clone()));
+                    session.spawn_local(ctx.tasks.track_future(serve_stream(stream, ctx.policy.clone())));
                 }
                 None => break,
             },

@@ -108,10 +108,7 @@ pub async fn serve(listener: ForwardListener, ctx: ForwardContext, stop: Cancell
                 };
                 let _ = client.set_nodelay(true);
                 let (target, ctx2) = (listener.target.clone(), ctx.clone());
-                ctx.tasks.spawn(async move {
-                    forward(client, peer, target, ctx2).await;
-                    drop(slot);
-                });
+                ctx.tasks.spawn(forward(client, peer, target, ctx2, slot));
             }
             Err(e) => {
                 tracing::warn!(target = %listener.target, error = %e, "forward listener accept failed");
@@ -121,7 +118,15 @@ pub async fn serve(listener: ForwardListener, ctx: ForwardContext, stop: Cancell
     }
 }
 
-async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx: ForwardContext) {
+/// Opens a forward stream for `client` on a live session, then splices them on the session's own
+/// task. `slot` is the listener's connection slot, held until the connection ends.
+async fn forward(
+    mut client: TcpStream,
+    peer: SocketAddr,
+    target: Arc<str>,
+    ctx: ForwardContext,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) {
     let started = Instant::now();
     let label = target.to_string();
     let count = |result: &'static str| {
@@ -131,7 +136,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     // the gateway answers is retried on the next live session until the wait is over.
     let deadline = tokio::time::Instant::now() + ctx.wait;
     let mut early = 0;
-    let mut stream = loop {
+    let (mut stream, session) = loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let Some(session) = ctx.state.wait_for_session(left).await else {
             count("no_session");
@@ -153,7 +158,7 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
             }
         };
         match tokio::time::timeout(ctx.wait + Duration::from_secs(10), opened).await {
-            Ok(Ok(stream)) => break stream,
+            Ok(Ok(stream)) => break (stream, session),
             // Bytes already taken from the client cannot be sent again on another session.
             Ok(Err(("tunnel_error", reason))) if early == 0 && tokio::time::Instant::now() < deadline => {
                 tracing::debug!(%target, %peer, %reason, "session broke before the gateway answered; retrying");
@@ -179,15 +184,20 @@ async fn forward(mut client: TcpStream, peer: SocketAddr, target: Arc<str>, ctx:
     let to_cp = metrics::counter!(FORWARD_BYTES, "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "target" => label, "direction" => "from_controlplane");
     to_cp.increment(early as u64);
-    let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
-        Direction::AToB => to_cp.increment(n as u64),
-        Direction::BToA => from_cp.increment(n as u64),
-    })
-    .await;
-    open.decrement(1.0);
-    if let Err(e) = copied {
-        tracing::debug!(%target, %peer, error = %e, "forwarded connection ended with an error");
-    }
+    // On the session's own task: the bytes then pass between the client's socket and the tunnel
+    // without a hand-over between tasks.
+    session.spawn_local(ctx.tasks.track_future(async move {
+        let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
+            Direction::AToB => to_cp.increment(n as u64),
+            Direction::BToA => from_cp.increment(n as u64),
+        })
+        .await;
+        open.decrement(1.0);
+        drop(slot);
+        if let Err(e) = copied {
+            tracing::debug!(%target, %peer, error = %e, "forwarded connection ended with an error");
+        }
+    }));
 }
 
 #[cfg(test)]
