@@ -245,6 +245,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         }),
         driver: AtomicWaker::new(),
         spawn_pending: std::sync::atomic::AtomicBool::new(false),
+        in_local: std::sync::atomic::AtomicBool::new(false),
         open_streams: AtomicUsize::new(0),
         closed: CancellationToken::new(),
         close_requested: CancellationToken::new(),
@@ -254,6 +255,11 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         rtt_micros: std::sync::atomic::AtomicU64::new(0),
     });
     let session = Session { shared: shared.clone() };
+    let local_wake = Arc::new(LocalWake {
+        task: AtomicWaker::new(),
+        polling: std::sync::atomic::AtomicBool::new(false),
+        woken: std::sync::atomic::AtomicBool::new(false),
+    });
     let mut driver = SessionDriver {
         shared: shared.clone(),
         link,
@@ -267,6 +273,9 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         last_ping: None,
         defer: Defer::default(),
         local: None,
+        local_waker: Waker::from(local_wake.clone()),
+        local_wake,
+        rewoken: false,
     };
     let task = async move {
         let _ended = EndGuard(shared);
@@ -280,6 +289,8 @@ struct SessionShared {
     driver: AtomicWaker,
     /// Tasks wait in [`Inner::spawned`] for the driver.
     spawn_pending: std::sync::atomic::AtomicBool,
+    /// The driver is polling its local tasks; it sends what they queue before it returns.
+    in_local: std::sync::atomic::AtomicBool,
     open_streams: AtomicUsize,
     closed: CancellationToken,
     close_requested: CancellationToken,
@@ -297,6 +308,15 @@ impl SessionShared {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A stream queued output: the driver must run, unless it is polling its local tasks now,
+    /// in which case it sends the output right after them (waking the running driver's task
+    /// would requeue it, and wake an idle worker thread to take it).
+    fn output_queued(&self) {
+        if !self.in_local.load(Ordering::SeqCst) {
+            self.driver.wake();
+        }
     }
 
     /// Whether `id` is an id the peer may open.
@@ -543,7 +563,7 @@ impl MuxStream {
         drop(st);
         inner.queue(Header::window_update(self.cell.id, delta, flags), &[]);
         drop(inner);
-        self.session.driver.wake();
+        self.session.output_queued();
     }
 }
 
@@ -566,7 +586,7 @@ impl Drop for MuxStream {
             drop(st);
             inner.queue(Header::data(self.cell.id, 0, flags), &[]);
             drop(inner);
-            self.session.driver.wake();
+            self.session.output_queued();
         }
     }
 }
@@ -649,7 +669,7 @@ impl MuxStream {
         drop(st);
         queue(&mut inner, Header::data(self.cell.id, k as u32, flags), k);
         drop(inner);
-        session.driver.wake();
+        session.output_queued();
         Poll::Ready(Ok(k))
     }
 
@@ -727,7 +747,7 @@ impl MuxStream {
         drop(st);
         inner.queue(Header::data(self.cell.id, 0, flags), &[]);
         drop(inner);
-        self.session.driver.wake();
+        self.session.output_queued();
     }
 }
 
@@ -774,6 +794,38 @@ struct SessionDriver<L> {
     /// Tasks run beside the driver ([`Session::spawn_local`]); `None` while there are none, so an
     /// idle session holds no set.
     local: Option<FuturesUnordered<LocalTask>>,
+    /// The waker the local tasks are polled with, and its state.
+    local_wake: Arc<LocalWake>,
+    local_waker: Waker,
+    /// This poll woke the driver's task itself (to yield), so it runs again anyway.
+    rewoken: bool,
+}
+
+/// How often one poll of the driver runs its rounds again for local tasks woken meanwhile.
+const LOCAL_REPOLLS: usize = 4;
+
+/// The waker of the session-local tasks. While the driver polls, a local task woken (by a frame
+/// the driver just delivered, say) only raises `woken`, which the driver checks before it returns:
+/// waking the driver's own task while it runs would put it back in the run queue, and a
+/// multi-threaded runtime then wakes an idle worker thread to take it, once per request. Woken at
+/// any other time (its socket became ready), it wakes the driver's task.
+struct LocalWake {
+    task: AtomicWaker,
+    polling: std::sync::atomic::AtomicBool,
+    woken: std::sync::atomic::AtomicBool,
+}
+
+impl std::task::Wake for LocalWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            self.task.wake();
+        }
+    }
 }
 
 /// Tasks still running when the driver stops go on as tasks of their own: their streams fail,
@@ -845,7 +897,24 @@ const RTT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<L: Link> SessionDriver<L> {
+    /// Polls the session; runs more rounds at once when a session-local task was woken while the
+    /// driver polled (see [`LocalWake`]).
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+        self.local_wake.task.register(cx.waker());
+        for _ in 0..LOCAL_REPOLLS {
+            self.local_wake.polling.store(true, Ordering::SeqCst);
+            self.rewoken = false;
+            let polled = self.poll_rounds(cx);
+            self.local_wake.polling.store(false, Ordering::SeqCst);
+            if polled.is_ready() || self.rewoken || !self.local_wake.woken.swap(false, Ordering::SeqCst) {
+                return polled;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    fn poll_rounds(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
         self.shared.driver.register(cx.waker());
         if !self.closing && self.shared.close_requested.is_cancelled() {
             self.begin_close(GoAway::Normal);
@@ -855,12 +924,13 @@ impl<L: Link> SessionDriver<L> {
             && self.shared.open_streams.load(Ordering::Relaxed) >= COALESCE_MIN_STREAMS
             && self.defer.put_off(self.shared.lock().out.len())
         {
+            self.rewoken = true;
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
         self.maybe_ping();
         for _ in 0..ROUNDS_PER_POLL {
-            self.poll_local(cx);
+            self.poll_local();
             self.poll_send(cx)?;
             if self.closing {
                 return self.poll_finish_close(cx);
@@ -896,13 +966,14 @@ impl<L: Link> SessionDriver<L> {
             }
         }
         // Plenty of work: let other tasks run, and come back.
+        self.rewoken = true;
         cx.waker().wake_by_ref();
         Poll::Pending
     }
 
     /// Polls the session-local tasks that are ready (their streams got data or credit, their
     /// sockets became ready), so that what they queue leaves in this round's write.
-    fn poll_local(&mut self, cx: &mut Context<'_>) {
+    fn poll_local(&mut self) {
         if self.shared.spawn_pending.swap(false, Ordering::AcqRel) {
             let spawned = std::mem::take(&mut self.shared.lock().spawned);
             let local = self.local.get_or_insert_with(FuturesUnordered::new);
@@ -911,7 +982,12 @@ impl<L: Link> SessionDriver<L> {
             }
         }
         let Some(local) = self.local.as_mut() else { return };
-        while let Poll::Ready(Some(())) = futures::StreamExt::poll_next_unpin(local, cx) {}
+        // Wakes from here on are news: the set is about to poll every task woken before.
+        self.local_wake.woken.store(false, Ordering::SeqCst);
+        let mut cx = Context::from_waker(&self.local_waker);
+        self.shared.in_local.store(true, Ordering::SeqCst);
+        while let Poll::Ready(Some(())) = futures::StreamExt::poll_next_unpin(local, &mut cx) {}
+        self.shared.in_local.store(false, Ordering::SeqCst);
         if local.is_empty() {
             self.local = None;
         }
