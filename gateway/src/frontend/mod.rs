@@ -373,36 +373,22 @@ pub async fn serve_client<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     match protocol {
-        FrontendProtocol::HttpConnect => serve_connection(stream, tenant, &context, who).await,
+        FrontendProtocol::HttpConnect => serve_connection(stream, tenant, context, who).await,
         FrontendProtocol::Grpc => grpc::serve_connection(stream, tenant, context, who).await,
     }
 }
 
 /// One CONNECT exchange and, when it succeeds, the tunnelled connection; one audit line for it.
-pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: &FrontendContext, who: Client)
+///
+/// A connection carried by one of this replica's agent sessions is tunnelled on that session's
+/// own task ([`tether_tunnel::mux::Session::spawn_local`]): its bytes then pass between the
+/// client's socket and the agent's link without a hand-over between tasks (and worker threads).
+pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: Arc<FrontendContext>, who: Client)
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let peer = who.peer.as_str();
-    let started = Instant::now();
-    let audit = |target: &str, result: &str, status: u16, dialed: Option<&Dialed>, bytes: (u64, u64)| {
-        audit::dial(&audit::Dial {
-            tenant: &tenant.name,
-            frontend: who.frontend,
-            protocol: "http-connect",
-            peer,
-            client_name: who.name.as_deref(),
-            target,
-            replica: &context.server_id,
-            agent: dialed.and_then(|d| d.agent.as_deref()),
-            via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
-            result,
-            status,
-            bytes_to_node: bytes.0,
-            bytes_from_node: bytes.1,
-            started,
-        });
-    };
+    let log = DialLog { tenant, who, started: Instant::now() };
+    let (tenant, peer) = (&log.tenant, log.who.peer.as_str());
     let request_timeout = context.settings.connect_request_timeout;
     let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
@@ -423,34 +409,94 @@ where
     let target = match DialTarget::parse(&request.target) {
         Ok(target) => target,
         Err(reason) => {
-            audit(&printable(&request.target, 256), "bad_request", 400, None, (0, 0));
+            log.write(&context, &printable(&request.target, 256), "bad_request", 400, None, (0, 0));
             let _ = client.write_all(&error_response(400, &reason.to_string())).await;
             return;
         }
     };
-    let shown = target.to_string();
     // Boxed so the connection's long-lived future does not keep room for the dial's states.
-    let mut dialed = match Box::pin(context.dialer.dial(&tenant, &target, "http-connect")).await {
+    let dialed = match Box::pin(context.dialer.dial(tenant, &target, "http-connect")).await {
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
-            audit(&shown, e.label(), e.status(), None, (0, 0));
+            log.write(&context, &target.to_string(), e.label(), e.status(), None, (0, 0));
             let _ = client.write_all(&error_response(e.status(), &e.to_string())).await;
             return;
         }
     };
+    let session = match &dialed.stream {
+        DialedStream::Local(stream) => Some(stream.session()),
+        DialedStream::Peer(_) => None,
+    };
+    let lifecycle = context.lifecycle.clone();
+    let tunnelled = tunnel(client, request.early_data, dialed, target, context, log);
+    match session {
+        Some(session) => session.spawn_local(lifecycle.track_connection(tunnelled)),
+        None => tunnelled.await,
+    }
+}
+
+/// The audit line of one CONNECT: who asked, and since when.
+struct DialLog {
+    tenant: Arc<Tenant>,
+    who: Client,
+    started: Instant,
+}
+
+impl DialLog {
+    fn write(
+        &self,
+        context: &FrontendContext,
+        target: &str,
+        result: &str,
+        status: u16,
+        dialed: Option<&Dialed>,
+        bytes: (u64, u64),
+    ) {
+        audit::dial(&audit::Dial {
+            tenant: &self.tenant.name,
+            frontend: self.who.frontend,
+            protocol: "http-connect",
+            peer: &self.who.peer,
+            client_name: self.who.name.as_deref(),
+            target,
+            replica: &context.server_id,
+            agent: dialed.and_then(|d| d.agent.as_deref()),
+            via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
+            result,
+            status,
+            bytes_to_node: bytes.0,
+            bytes_from_node: bytes.1,
+            started: self.started,
+        });
+    }
+}
+
+/// The tunnelled connection after a successful dial, until either side closes or the drain's
+/// grace period ends; then its audit line.
+async fn tunnel<S>(
+    mut client: S,
+    early_data: bytes::Bytes,
+    mut dialed: Dialed,
+    target: DialTarget,
+    context: Arc<FrontendContext>,
+    log: DialLog,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (tenant, peer) = (&log.tenant, log.who.peer.as_str());
     let (sent, received) = (audit::ByteCount::default(), audit::ByteCount::default());
     let tunnelled = async {
         if client.write_all(ESTABLISHED).await.is_err() {
             return;
         }
-        if !request.early_data.is_empty() && dialed.stream.write_all(&request.early_data).await.is_err() {
+        if !early_data.is_empty() && dialed.stream.write_all(&early_data).await.is_err() {
             return;
         }
         let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");
         let from_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "from_agent");
-        to_agent.increment(request.early_data.len() as u64);
-        sent.add(request.early_data.len());
+        to_agent.increment(early_data.len() as u64);
+        sent.add(early_data.len());
         let count = |direction, n: usize| match direction {
             Direction::AToB => {
                 to_agent.increment(n as u64);
@@ -479,5 +525,5 @@ where
         }
     };
     tunnelled.await;
-    audit(&shown, "ok", 200, Some(&dialed), (sent.get(), received.get()));
+    log.write(&context, &target.to_string(), "ok", 200, Some(&dialed), (sent.get(), received.get()));
 }

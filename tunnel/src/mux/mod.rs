@@ -547,6 +547,11 @@ impl MuxStream {
         self.cell.id
     }
 
+    /// The session the stream belongs to (for [`Session::spawn_local`]).
+    pub fn session(&self) -> Session {
+        Session { shared: self.session.clone() }
+    }
+
     /// Grants the peer the credit the reader freed (and any growth).
     fn send_window_update(&self) {
         let rtt = self.session.rtt();
