@@ -503,17 +503,23 @@ mod tests {
         assert_eq!(err.direction, Direction::AToB);
     }
 
-    /// Both ends of a tunnelled connection spliced onto multiplexer streams: everything arrives
-    /// both ways, in order, half-close included, and the counts match.
-    #[tokio::test]
-    async fn splices_onto_multiplexer_streams_both_ways_with_half_close() {
+    /// A client session and the server side's incoming streams, over an in-memory link.
+    fn session_pair() -> (crate::mux::Session, crate::mux::Incoming) {
         use crate::mux::{self, ByteLink, MuxSettings, Role};
         let (link_a, link_b) = tokio::io::duplex(64 * 1024);
         let settings = MuxSettings::default();
         let (client, _client_in, client_driver) = mux::start(ByteLink::new(link_a), Role::Client, &settings);
-        let (_server, mut server_in, server_driver) = mux::start(ByteLink::new(link_b), Role::Server, &settings);
+        let (_server, server_in, server_driver) = mux::start(ByteLink::new(link_b), Role::Server, &settings);
         tokio::spawn(client_driver);
         tokio::spawn(server_driver);
+        (client, server_in)
+    }
+
+    /// Both ends of a tunnelled connection spliced onto multiplexer streams: everything arrives
+    /// both ways, in order, half-close included, and the counts match.
+    #[tokio::test]
+    async fn splices_onto_multiplexer_streams_both_ways_with_half_close() {
+        let (client, mut server_in) = session_pair();
 
         let (mut app, mut entry) = tokio::io::duplex(8 * 1024);
         let (mut exit, mut target) = tokio::io::duplex(8 * 1024);
@@ -550,13 +556,7 @@ mod tests {
     /// the session cannot take moves into a buffer of the stream's own and is sent first later.
     #[tokio::test]
     async fn small_reads_that_outrun_the_window_arrive_whole_and_in_order() {
-        use crate::mux::{self, ByteLink, MuxSettings, Role};
-        let (link_a, link_b) = tokio::io::duplex(64 * 1024);
-        let settings = MuxSettings::default();
-        let (client, _client_in, client_driver) = mux::start(ByteLink::new(link_a), Role::Client, &settings);
-        let (_server, mut server_in, server_driver) = mux::start(ByteLink::new(link_b), Role::Server, &settings);
-        tokio::spawn(client_driver);
-        tokio::spawn(server_driver);
+        let (client, mut server_in) = session_pair();
 
         // A 300-byte pipe: every read on the entry side is small.
         let (mut app, mut entry) = tokio::io::duplex(300);
