@@ -387,8 +387,8 @@ pub async fn serve_connection<S>(mut client: S, tenant: Arc<Tenant>, context: Ar
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let log = DialLog { tenant, who, started: Instant::now() };
-    let (tenant, peer) = (&log.tenant, log.who.peer.as_str());
+    let log = DialLog { tenant, context, who, started: Instant::now() };
+    let (tenant, context, peer) = (&log.tenant, &log.context, log.who.peer.as_str());
     let request_timeout = context.settings.connect_request_timeout;
     let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
@@ -409,7 +409,7 @@ where
     let target = match DialTarget::parse(&request.target) {
         Ok(target) => target,
         Err(reason) => {
-            log.write(&context, &printable(&request.target, 256), "bad_request", 400, None, (0, 0));
+            log.write(&printable(&request.target, 256), "bad_request", 400, None, (0, 0));
             let _ = client.write_all(&error_response(400, &reason.to_string())).await;
             return;
         }
@@ -419,7 +419,7 @@ where
         Ok(dialed) => dialed,
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
-            log.write(&context, &target.to_string(), e.label(), e.status(), None, (0, 0));
+            log.write(&target.to_string(), e.label(), e.status(), None, (0, 0));
             let _ = client.write_all(&error_response(e.status(), &e.to_string())).await;
             return;
         }
@@ -429,30 +429,23 @@ where
         DialedStream::Peer(_) => None,
     };
     let lifecycle = context.lifecycle.clone();
-    let tunnelled = tunnel(client, request.early_data, dialed, target, context, log);
+    let tunnelled = tunnel(client, request.early_data, dialed, target, log);
     match session {
         Some(session) => session.spawn_local(lifecycle.track_connection(tunnelled)),
         None => tunnelled.await,
     }
 }
 
-/// The audit line of one CONNECT: who asked, and since when.
+/// The audit line of one CONNECT: who asked, where, and since when.
 struct DialLog {
     tenant: Arc<Tenant>,
+    context: Arc<FrontendContext>,
     who: Client,
     started: Instant,
 }
 
 impl DialLog {
-    fn write(
-        &self,
-        context: &FrontendContext,
-        target: &str,
-        result: &str,
-        status: u16,
-        dialed: Option<&Dialed>,
-        bytes: (u64, u64),
-    ) {
+    fn write(&self, target: &str, result: &str, status: u16, dialed: Option<&Dialed>, bytes: (u64, u64)) {
         audit::dial(&audit::Dial {
             tenant: &self.tenant.name,
             frontend: self.who.frontend,
@@ -460,7 +453,7 @@ impl DialLog {
             peer: &self.who.peer,
             client_name: self.who.name.as_deref(),
             target,
-            replica: &context.server_id,
+            replica: &self.context.server_id,
             agent: dialed.and_then(|d| d.agent.as_deref()),
             via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
             result,
@@ -474,17 +467,11 @@ impl DialLog {
 
 /// The tunnelled connection after a successful dial, until either side closes or the drain's
 /// grace period ends; then its audit line.
-async fn tunnel<S>(
-    mut client: S,
-    early_data: bytes::Bytes,
-    mut dialed: Dialed,
-    target: DialTarget,
-    context: Arc<FrontendContext>,
-    log: DialLog,
-) where
+async fn tunnel<S>(mut client: S, early_data: bytes::Bytes, mut dialed: Dialed, target: DialTarget, log: DialLog)
+where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let (tenant, peer) = (&log.tenant, log.who.peer.as_str());
+    let (tenant, context, peer) = (&log.tenant, &log.context, log.who.peer.as_str());
     let (sent, received) = (audit::ByteCount::default(), audit::ByteCount::default());
     let tunnelled = async {
         if client.write_all(ESTABLISHED).await.is_err() {
@@ -525,5 +512,5 @@ async fn tunnel<S>(
         }
     };
     tunnelled.await;
-    log.write(&context, &target.to_string(), "ok", 200, Some(&dialed), (sent.get(), received.get()));
+    log.write(&target.to_string(), "ok", 200, Some(&dialed), (sent.get(), received.get()));
 }
