@@ -429,7 +429,10 @@ pub(crate) async fn test_tenant(name: &str, routing: &[crate::config::RoutingStr
         "limits": { "dial_timeout": "1s" },
     }))
     .unwrap_or_else(|e| panic!("test tenant config: {e}"));
-    Arc::new(Tenant::build(config).await.unwrap_or_else(|e| panic!("test tenant: {e}")))
+    let tenant = Tenant::build(config).await;
+    // The secret is read once, at build: the directory need not outlive it.
+    std::fs::remove_dir_all(&dir).unwrap_or_default();
+    Arc::new(tenant.unwrap_or_else(|e| panic!("test tenant: {e}")))
 }
 
 #[cfg(test)]
