@@ -1,16 +1,20 @@
 //! The multiplexer's frame reader, fed the peer's byte stream in arbitrary chunks: the frames (and
 //! the first error) must not depend on how the stream was cut, whether the chunks are parts of one
-//! buffer (joined without a copy) or separate buffers (joined by copying).
+//! buffer (joined without a copy) or separate buffers. A data frame whose body straddles buffers
+//! comes out in pieces; joined again, the pieces must be the frame that was sent.
 #![no_main]
 
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use tether_fuzz::Pieces;
-use tether_tunnel::mux::frame::{Frame, FrameError, FrameReader, HEADER_LEN, Header};
+use tether_tunnel::mux::frame::{Flags, Frame, FrameError, FrameReader, HEADER_LEN, Header};
 
 #[derive(Debug, PartialEq)]
 struct Outcome {
-    frames: Vec<Frame>,
+    /// Frames as sent: pieces joined.
+    frames: Vec<(Header, Vec<u8>)>,
+    /// Whether the last frame is a data frame still missing part of its body.
+    open: bool,
     error: Option<FrameError>,
     buffered: usize,
 }
@@ -19,8 +23,23 @@ fn drain(reader: &mut FrameReader, out: &mut Outcome) -> bool {
     loop {
         match reader.next_frame() {
             Ok(Some(frame)) => {
-                assert_eq!(frame.body.len(), frame.header.body_len());
-                out.frames.push(frame);
+                let Frame { header, body } = frame;
+                assert_eq!(body.len(), header.body_len());
+                match out.frames.last_mut() {
+                    Some((joined, bytes)) if out.open => {
+                        assert_eq!(header.stream_id, joined.stream_id, "a piece of another stream");
+                        assert!(!header.flags.contains(Flags::SYN) && !header.flags.contains(Flags::ACK));
+                        joined.flags = joined.flags | header.flags;
+                        joined.length += header.length;
+                        bytes.extend_from_slice(&body);
+                    }
+                    _ => out.frames.push((header, body.to_vec())),
+                }
+                out.open = reader.inside_data_frame();
+                if out.open {
+                    let flags = header.flags;
+                    assert!(!flags.contains(Flags::FIN) && !flags.contains(Flags::RST), "FIN or RST before the end");
+                }
             }
             Ok(None) => return true,
             Err(e) => {
@@ -33,7 +52,7 @@ fn drain(reader: &mut FrameReader, out: &mut Outcome) -> bool {
 
 fn read(chunks: Vec<BytesMut>) -> Outcome {
     let mut reader = FrameReader::new();
-    let mut out = Outcome { frames: Vec::new(), error: None, buffered: 0 };
+    let mut out = Outcome { frames: Vec::new(), open: false, error: None, buffered: 0 };
     for chunk in chunks {
         reader.push(chunk);
         if !drain(&mut reader, &mut out) {

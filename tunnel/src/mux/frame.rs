@@ -10,10 +10,13 @@
 //!
 //! [`FrameReader`] cuts frames out of the chunks a link delivers. A body that lies within one chunk,
 //! or across chunks that are neighbours in one read buffer, is handed on as a slice of it (no
-//! copy); only frames that straddle separate buffers are copied, and small bodies are copied out so
-//! that they do not pin a large chunk in memory.
+//! copy). A data frame whose body straddles separate buffers is handed on in pieces, each a slice
+//! of its own buffer, as if the peer had sent it as several smaller frames: SYN and ACK go with
+//! the first piece, FIN and RST with the last. Only a header that straddles two buffers (at most
+//! 12 bytes) is copied, and small bodies are copied out so that they do not pin a large chunk in
+//! memory.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 12;
@@ -212,12 +215,23 @@ pub struct Frame {
 /// [`next_frame`](Self::next_frame) answers `None`, then push the next chunk.
 #[derive(Debug, Default)]
 pub struct FrameReader {
-    /// A frame that straddles separate buffers, being completed by copying.
+    /// The start of a header that straddles separate buffers, being completed by copying.
     partial: BytesMut,
     /// What is left of the chunks pushed.
     rest: BytesMut,
     /// Length of the data pushed last, to judge what a slice of it would pin.
     chunk_len: usize,
+    /// A data frame whose body is being handed on in pieces.
+    body: Option<BodyLeft>,
+}
+
+/// What remains of a data frame handed on in pieces.
+#[derive(Debug, Clone, Copy)]
+struct BodyLeft {
+    header: Header,
+    left: usize,
+    /// Whether a piece has gone out (SYN and ACK travel with the first piece only).
+    started: bool,
 }
 
 impl FrameReader {
@@ -228,73 +242,95 @@ impl FrameReader {
 
     /// Adds the next chunk; call after [`next_frame`](Self::next_frame) has answered `None`. A
     /// chunk that continues the previous one in memory (the next part of the same read buffer)
-    /// joins it without a copy; otherwise the unfinished frame is completed by copying what it
-    /// still needs.
+    /// joins it without a copy.
     pub fn push(&mut self, chunk: BytesMut) {
         self.chunk_len = chunk.len();
         if self.rest.is_empty() {
             self.rest = chunk;
-        } else if self.partial.is_empty() && self.rest.as_ptr_range().end == chunk.as_ptr() {
+        } else if self.rest.as_ptr_range().end == chunk.as_ptr() {
             // O(1) when both are parts of one buffer (unsplit checks; it copies otherwise).
             self.rest.unsplit(chunk);
             self.chunk_len = self.rest.len();
-        } else if self.partial.is_empty() {
-            self.partial = std::mem::take(&mut self.rest);
-            self.rest = chunk;
         } else {
-            // Not expected (the previous chunk was not drained), but still correct.
-            let rest = std::mem::take(&mut self.rest);
+            // What is left is the start of a header (a body would have been handed on).
+            let rest = std::mem::replace(&mut self.rest, chunk);
             self.partial.extend_from_slice(&rest);
-            self.rest = chunk;
         }
     }
 
-    /// Bytes held for a frame that is not complete yet (bounded by one frame).
+    /// Whether the last frame handed on was a piece of a data frame whose body has more to come.
+    pub fn inside_data_frame(&self) -> bool {
+        self.body.is_some()
+    }
+
+    /// Bytes held for a frame that is not complete yet (bounded by one header and one chunk).
     pub fn buffered(&self) -> usize {
         self.partial.len() + self.rest.len()
     }
 
-    /// The next complete frame, `None` when more bytes are needed, or an error for a header that
-    /// is not valid (the session must end: the stream cannot be resynchronised).
+    /// The next frame (or piece of a data frame), `None` when more bytes are needed, or an error
+    /// for a header that is not valid (the session must end: the stream cannot be resynchronised).
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
-        if !self.partial.is_empty() {
-            return self.complete_partial();
+        if let Some(body) = self.body {
+            return Ok(self.next_piece(body));
         }
-        if self.rest.len() < HEADER_LEN {
-            return Ok(None);
-        }
-        let header = Header::decode(head(&self.rest))?;
-        let total = HEADER_LEN + header.body_len();
-        if self.rest.len() < total {
-            return Ok(None);
-        }
-        let mut frame = self.rest.split_to(total);
-        let body = frame.split_off(HEADER_LEN).freeze();
-        // A small body would pin its whole chunk for as long as the stream keeps it: copy it out.
-        let body = if body.len() * 4 >= self.chunk_len { body } else { Bytes::copy_from_slice(&body) };
-        Ok(Some(Frame { header, body }))
-    }
-
-    fn complete_partial(&mut self) -> Result<Option<Frame>, FrameError> {
-        if self.partial.len() < HEADER_LEN {
-            let take = (HEADER_LEN - self.partial.len()).min(self.rest.len());
+        let header = if self.partial.is_empty() {
+            if self.rest.len() < HEADER_LEN {
+                return Ok(None);
+            }
+            let header = Header::decode(head(&self.rest))?;
+            if self.rest.len() >= HEADER_LEN + header.body_len() {
+                // The whole frame is here.
+                let mut frame = self.rest.split_to(HEADER_LEN + header.body_len());
+                let body = self.own(frame.split_off(HEADER_LEN));
+                return Ok(Some(Frame { header, body }));
+            }
+            self.rest.advance(HEADER_LEN);
+            header
+        } else {
+            let take = (HEADER_LEN - self.partial.len().min(HEADER_LEN)).min(self.rest.len());
             self.partial.extend_from_slice(&self.rest.split_to(take));
             if self.partial.len() < HEADER_LEN {
                 return Ok(None);
             }
+            let header = Header::decode(head(&self.partial))?;
+            self.partial.clear();
+            header
+        };
+        if header.body_len() == 0 {
+            return Ok(Some(Frame { header, body: Bytes::new() }));
         }
-        let header = Header::decode(head(&self.partial))?;
-        let total = HEADER_LEN + header.body_len();
-        let take = total.saturating_sub(self.partial.len()).min(self.rest.len());
-        // One allocation for the whole frame.
-        self.partial.reserve(total.saturating_sub(self.partial.len()));
-        self.partial.extend_from_slice(&self.rest.split_to(take));
-        if self.partial.len() < total {
-            return Ok(None);
+        let body = BodyLeft { header, left: header.body_len(), started: false };
+        self.body = Some(body);
+        Ok(self.next_piece(body))
+    }
+
+    /// The next piece of a data frame's body: what the current chunk holds of it.
+    fn next_piece(&mut self, mut body: BodyLeft) -> Option<Frame> {
+        let take = body.left.min(self.rest.len());
+        if take == 0 {
+            return None;
         }
-        let mut frame = std::mem::take(&mut self.partial);
-        let body = frame.split_off(HEADER_LEN).freeze();
-        Ok(Some(Frame { header, body }))
+        let piece = self.rest.split_to(take);
+        body.left -= take;
+        let mut flags = body.header.flags.0;
+        if body.started {
+            flags &= !(Flags::SYN.0 | Flags::ACK.0);
+        }
+        if body.left > 0 {
+            flags &= !(Flags::FIN.0 | Flags::RST.0);
+        }
+        body.started = true;
+        self.body = (body.left > 0).then_some(body);
+        let length = u32::try_from(take).unwrap_or(u32::MAX);
+        let header = Header::data(body.header.stream_id, length, Flags(flags));
+        Some(Frame { header, body: self.own(piece) })
+    }
+
+    /// A body as handed on: a slice of its chunk, or a copy when it is small next to the chunk
+    /// (a small slice would pin its whole chunk for as long as the stream keeps it).
+    fn own(&self, body: BytesMut) -> Bytes {
+        if body.len() * 4 >= self.chunk_len { body.freeze() } else { Bytes::copy_from_slice(&body) }
     }
 }
 
@@ -354,16 +390,50 @@ mod tests {
         }
         for chunk_size in [1, 5, 12, 13, 100, 4096, 70_012, stream.len()] {
             let mut reader = FrameReader::new();
-            let mut got = Vec::new();
+            let mut got: Vec<(Header, Vec<u8>)> = Vec::new();
+            let mut open_piece = false;
             for chunk in stream.chunks(chunk_size) {
+                // Every chunk is a buffer of its own, as after a read into a new buffer.
                 reader.push(BytesMut::from(chunk));
                 while let Some(frame) = reader.next_frame().unwrap() {
-                    got.push((frame.header, frame.body.to_vec()));
+                    // Pieces of one data frame are joined again: the stream sees the same bytes.
+                    match got.last_mut() {
+                        Some((header, body)) if open_piece => {
+                            assert_eq!(frame.header.stream_id, header.stream_id);
+                            assert!(!frame.header.flags.contains(Flags::SYN), "SYN only on the first piece");
+                            header.flags = header.flags | frame.header.flags;
+                            header.length += frame.header.length;
+                            body.extend_from_slice(&frame.body);
+                        }
+                        _ => got.push((frame.header, frame.body.to_vec())),
+                    }
+                    assert_eq!(frame.header.body_len(), frame.body.len());
+                    open_piece = reader.inside_data_frame();
                 }
             }
             assert_eq!(got, frames, "chunks of {chunk_size}");
             assert_eq!(reader.buffered(), 0);
         }
+    }
+
+    #[test]
+    fn a_data_frame_across_separate_buffers_goes_on_in_slices_of_them() {
+        let stream = frame_bytes(Header::data(5, 60_000, Flags::SYN | Flags::FIN), &[3u8; 60_000]);
+        let (first, second) = (BytesMut::from(&stream[..30_000]), BytesMut::from(&stream[30_000..]));
+        let ranges = [first.as_ptr_range(), second.as_ptr_range()];
+        let mut reader = FrameReader::new();
+        reader.push(first);
+        let head = reader.next_frame().unwrap().unwrap();
+        assert!(reader.next_frame().unwrap().is_none());
+        reader.push(second);
+        let tail = reader.next_frame().unwrap().unwrap();
+        assert!(reader.next_frame().unwrap().is_none());
+        assert!(ranges[0].contains(&head.body.as_ptr()), "the first piece is a slice of the first buffer");
+        assert!(ranges[1].contains(&tail.body.as_ptr()), "the second piece is a slice of the second buffer");
+        assert_eq!(head.header, Header::data(5, 30_000 - 12, Flags::SYN));
+        assert_eq!(tail.header, Header::data(5, 30_012, Flags::FIN));
+        assert_eq!(head.body.len() + tail.body.len(), 60_000);
+        assert_eq!(reader.buffered(), 0);
     }
 
     #[test]
@@ -386,7 +456,8 @@ mod tests {
         let stream = frame_bytes(Header::data(1, 60_000, Flags::NONE), &[1u8; 60_000]);
         let mut buffer = BytesMut::from(&stream[..]);
         let range = buffer.as_ptr_range();
-        let first = buffer.split_to(20_000);
+        // The cut is inside the header: the chunks join again, and the frame comes out whole.
+        let first = buffer.split_to(6);
         let mut reader = FrameReader::new();
         reader.push(first);
         assert!(reader.next_frame().unwrap().is_none());
