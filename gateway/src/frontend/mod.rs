@@ -446,21 +446,55 @@ struct DialLog {
 
 impl DialLog {
     fn write(&self, target: &str, result: &str, status: u16, dialed: Option<&Dialed>, bytes: (u64, u64)) {
-        audit::dial(&audit::Dial {
-            tenant: &self.tenant.name,
-            frontend: self.who.frontend,
-            protocol: "http-connect",
-            peer: &self.who.peer,
-            client_name: self.who.name.as_deref(),
+        let outcome = DialOutcome {
             target,
-            replica: &self.context.server_id,
-            agent: dialed.and_then(|d| d.agent.as_deref()),
-            via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
             result,
             status,
-            bytes_to_node: bytes.0,
-            bytes_from_node: bytes.1,
-            started: self.started,
+            agent: dialed.and_then(|d| d.agent.as_deref()),
+            via_replica: dialed.and_then(|d| d.via_replica.as_deref()),
+            bytes,
+        };
+        self.who.audit_dial(&self.tenant, &self.context, "http-connect", self.started, &outcome);
+    }
+}
+
+/// How one dial went, for its audit line.
+pub(crate) struct DialOutcome<'a> {
+    pub target: &'a str,
+    pub result: &'a str,
+    pub status: u16,
+    pub agent: Option<&'a str>,
+    pub via_replica: Option<&'a str>,
+    /// Bytes to the node, bytes from the node.
+    pub bytes: (u64, u64),
+}
+
+impl Client {
+    /// Writes the audit line of one dial this client made through `protocol` (`http-connect` or
+    /// `grpc`), started at `started`.
+    pub(crate) fn audit_dial(
+        &self,
+        tenant: &Tenant,
+        context: &FrontendContext,
+        protocol: &'static str,
+        started: Instant,
+        outcome: &DialOutcome<'_>,
+    ) {
+        audit::dial(&audit::Dial {
+            tenant: &tenant.name,
+            frontend: self.frontend,
+            protocol,
+            peer: &self.peer,
+            client_name: self.name.as_deref(),
+            target: outcome.target,
+            replica: &context.server_id,
+            agent: outcome.agent,
+            via_replica: outcome.via_replica,
+            result: outcome.result,
+            status: outcome.status,
+            bytes_to_node: outcome.bytes.0,
+            bytes_from_node: outcome.bytes.1,
+            started,
         });
     }
 }

@@ -37,8 +37,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio_util::sync::PollSender;
 
-use super::{Client, FrontendContext};
-use crate::audit;
+use super::{Client, DialOutcome, FrontendContext};
 use crate::dial::{Dialed, DialedStream};
 use crate::metrics::{BYTES, DIALS};
 use crate::target::DialTarget;
@@ -427,22 +426,15 @@ impl Stream {
     }
 
     fn audit_with(&self, target: &str, result: &str, status: u16, parties: &AuditParties, bytes: (u64, u64)) {
-        audit::dial(&audit::Dial {
-            tenant: &self.tenant.name,
-            frontend: self.who.frontend,
-            protocol: "grpc",
-            peer: &self.who.peer,
-            client_name: self.who.name.as_deref(),
+        let outcome = DialOutcome {
             target,
-            replica: &self.context.server_id,
-            agent: parties.agent.as_deref(),
-            via_replica: parties.via_replica.as_deref(),
             result,
             status,
-            bytes_to_node: bytes.0,
-            bytes_from_node: bytes.1,
-            started: self.started,
-        });
+            agent: parties.agent.as_deref(),
+            via_replica: parties.via_replica.as_deref(),
+            bytes,
+        };
+        self.who.audit_dial(&self.tenant, &self.context, "grpc", self.started, &outcome);
     }
 }
 
