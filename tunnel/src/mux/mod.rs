@@ -271,6 +271,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         close_deadline: None,
         ping: None,
         last_ping: None,
+        polls_since_ping_check: 0,
         defer: Defer::default(),
         local: None,
         local_waker: Waker::from(local_wake.clone()),
@@ -795,6 +796,8 @@ struct SessionDriver<L> {
     ping: Option<(u32, std::time::Instant)>,
     /// When the last ping was sent.
     last_ping: Option<std::time::Instant>,
+    /// Polls since [`maybe_ping`](Self::maybe_ping) last read the clock.
+    polls_since_ping_check: u32,
     defer: Defer,
     /// Tasks run beside the driver ([`Session::spawn_local`]); `None` while there are none, so an
     /// idle session holds no set.
@@ -897,6 +900,8 @@ impl Defer {
 
 /// How often the round trip is measured again while the session is busy.
 const RTT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// Polls between two looks at the clock for the next round-trip measurement.
+const PING_CHECK_POLLS: u32 = 64;
 
 /// How long a closing session tries to deliver its go-away.
 const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -963,9 +968,13 @@ impl<L: Link> SessionDriver<L> {
                 }
             }
             if !received {
-                let has_output = !self.shared.lock().out.is_empty();
-                if !has_output || self.pending.is_some() {
-                    self.release_idle_buffer();
+                let mut inner = self.shared.lock();
+                if inner.out.is_empty() {
+                    // Idle: keep no output buffer (this matters with tens of thousands of agents).
+                    inner.out = Batch::new();
+                    return Poll::Pending;
+                }
+                if self.pending.is_some() {
                     return Poll::Pending;
                 }
             }
@@ -1055,22 +1064,25 @@ impl<L: Link> SessionDriver<L> {
     /// Measures the round trip (which window growth needs): at the start, and again every
     /// [`RTT_INTERVAL`] while the session does anything. An idle session sends no pings of its own.
     fn maybe_ping(&mut self) {
-        if self.ping.is_some() || self.closing || self.last_ping.is_some_and(|at| at.elapsed() < RTT_INTERVAL) {
+        if self.ping.is_some() || self.closing {
             return;
+        }
+        if let Some(at) = self.last_ping {
+            // Reading the clock on every poll shows in small requests; a busy session polls often.
+            self.polls_since_ping_check += 1;
+            if self.polls_since_ping_check < PING_CHECK_POLLS {
+                return;
+            }
+            self.polls_since_ping_check = 0;
+            if at.elapsed() < RTT_INTERVAL {
+                return;
+            }
         }
         let now = std::time::Instant::now();
         let opaque = self.last_ping.map_or(1, |_| fastrand::u32(..));
         self.ping = Some((opaque, now));
         self.last_ping = Some(now);
         self.shared.lock().queue(Header::ping(opaque, Flags::SYN), &[]);
-    }
-
-    /// An idle session keeps no output buffer (this matters with tens of thousands of agents).
-    fn release_idle_buffer(&mut self) {
-        let mut inner = self.shared.lock();
-        if inner.out.is_empty() {
-            inner.out = Batch::new();
-        }
     }
 
     fn begin_close(&mut self, code: GoAway) {
