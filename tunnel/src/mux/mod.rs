@@ -811,6 +811,8 @@ struct SessionDriver<L> {
 
 /// How often one poll of the driver runs its rounds again for local tasks woken meanwhile.
 const LOCAL_REPOLLS: usize = 4;
+/// How often one round polls the local task set while it reports tasks woken meanwhile.
+const LOCAL_SET_POLLS: usize = 4;
 
 /// The waker of the session-local tasks. While the driver polls, a local task woken (by a frame
 /// the driver just delivered, say) only raises `woken`, which the driver checks before it returns:
@@ -996,11 +998,20 @@ impl<L: Link> SessionDriver<L> {
             }
         }
         let Some(local) = self.local.as_mut() else { return };
-        // Wakes from here on are news: the set is about to poll every task woken before.
-        self.local_wake.woken.store(false, Ordering::SeqCst);
         let mut cx = Context::from_waker(&self.local_waker);
         self.shared.in_local.store(true, Ordering::SeqCst);
-        while let Poll::Ready(Some(())) = futures::StreamExt::poll_next_unpin(local, &mut cx) {}
+        for _ in 0..LOCAL_SET_POLLS {
+            // Wakes from here on are news: the set is about to poll every task woken before.
+            self.local_wake.woken.store(false, Ordering::SeqCst);
+            while let Poll::Ready(Some(())) = futures::StreamExt::poll_next_unpin(local, &mut cx) {}
+            // The set wakes itself once it has polled all its tasks (so that it never starves
+            // other work); a task woken for real is still queued. One more look tells them apart:
+            // with nothing queued it returns at once and wakes nobody. Without it the driver ran
+            // all its rounds twice for every request.
+            if !self.local_wake.woken.load(Ordering::SeqCst) {
+                break;
+            }
+        }
         self.shared.in_local.store(false, Ordering::SeqCst);
         if local.is_empty() {
             self.local = None;

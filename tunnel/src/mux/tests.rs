@@ -524,14 +524,22 @@ async fn abandoned_resolves_on_a_reset_or_the_sessions_end_and_not_before() {
     drop(server);
 }
 
-/// A link that counts the batches the session hands it.
+/// A link that counts the batches the session hands it, and how often the session reads it.
 struct CountingLink {
     inner: ByteLink<DuplexStream>,
     batches: Arc<AtomicUsize>,
+    reads: Arc<AtomicUsize>,
+}
+
+impl CountingLink {
+    fn new(inner: DuplexStream) -> Self {
+        Self { inner: ByteLink::new(inner), batches: Arc::default(), reads: Arc::default() }
+    }
 }
 
 impl Link for CountingLink {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<BytesMut>>> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
         self.inner.poll_recv(cx)
     }
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -557,8 +565,8 @@ impl Link for CountingLink {
 async fn frames_queued_by_many_streams_at_once_leave_in_a_few_writes() {
     const STREAMS: usize = 32;
     let (a, b) = tokio::io::duplex(1 << 20);
-    let batches = Arc::new(AtomicUsize::new(0));
-    let link = CountingLink { inner: ByteLink::new(a), batches: batches.clone() };
+    let link = CountingLink::new(a);
+    let batches = link.batches.clone();
     let (client, _client_in, client_driver) = start(link, Role::Client, &MuxSettings::default());
     let (_server, mut server_in, server_driver) = start(ByteLink::new(b), Role::Server, &MuxSettings::default());
     tokio::spawn(client_driver);
@@ -662,4 +670,45 @@ async fn session_local_tasks_run_on_the_drivers_task_and_outlive_the_session() {
         let _ = late.send(tokio::task::id());
     });
     assert_ne!(within("a task handed over late runs", late_rx).await.unwrap(), driver_task);
+}
+
+/// Request and response through a session-local task, one at a time: each request wakes the
+/// driver once (its link has data) and the response leaves in the same poll, so the driver reads
+/// its link a few times per exchange. The local task set's own yield once it has polled every
+/// task is not taken for a task woken again (it used to make the driver run all its rounds twice).
+#[tokio::test(flavor = "current_thread")]
+async fn an_exchange_with_a_local_task_costs_one_pass_of_the_driver() {
+    const EXCHANGES: usize = 200;
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let link = CountingLink::new(b);
+    let reads = link.reads.clone();
+    let settings = MuxSettings::default();
+    let (client, _client_in, client_driver) = start(ByteLink::new(a), Role::Client, &settings);
+    let (server, mut server_in, server_driver) = start(link, Role::Server, &settings);
+    tokio::spawn(client_driver);
+    tokio::spawn(server_driver);
+
+    let mut out = client.open().await.unwrap();
+    out.write_all(b"hello").await.unwrap();
+    let mut inbound = within("accept", server_in.accept()).await.unwrap();
+    server.spawn_local(async move {
+        let mut word = [0u8; 5];
+        while inbound.read_exact(&mut word).await.is_ok() {
+            if inbound.write_all(&word).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut echo = [0u8; 5];
+    within("first echo", out.read_exact(&mut echo)).await.unwrap();
+    // Let the first ping's answer and the window updates settle.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = reads.load(Ordering::SeqCst);
+    for _ in 0..EXCHANGES {
+        out.write_all(b"again").await.unwrap();
+        within("echo", out.read_exact(&mut echo)).await.unwrap();
+        assert_eq!(&echo, b"again");
+    }
+    let per_exchange = (reads.load(Ordering::SeqCst) - before) as f64 / EXCHANGES as f64;
+    assert!(per_exchange <= 3.5, "the driver read its link {per_exchange:.2} times per exchange");
 }
