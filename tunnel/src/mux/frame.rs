@@ -71,6 +71,11 @@ impl Flags {
     pub fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0
     }
+
+    /// These flags with those in `other` cleared.
+    pub fn without(self, other: Self) -> Self {
+        Self(self.0 & !other.0)
+    }
 }
 
 impl std::ops::BitOr for Flags {
@@ -288,7 +293,7 @@ impl FrameReader {
             self.rest.advance(HEADER_LEN);
             header
         } else {
-            let take = (HEADER_LEN - self.partial.len().min(HEADER_LEN)).min(self.rest.len());
+            let take = HEADER_LEN.saturating_sub(self.partial.len()).min(self.rest.len());
             self.partial.extend_from_slice(&self.rest.split_to(take));
             if self.partial.len() < HEADER_LEN {
                 return Ok(None);
@@ -313,17 +318,17 @@ impl FrameReader {
         }
         let piece = self.rest.split_to(take);
         body.left -= take;
-        let mut flags = body.header.flags.0;
+        let mut flags = body.header.flags;
         if body.started {
-            flags &= !(Flags::SYN.0 | Flags::ACK.0);
+            flags = flags.without(Flags::SYN | Flags::ACK);
         }
         if body.left > 0 {
-            flags &= !(Flags::FIN.0 | Flags::RST.0);
+            flags = flags.without(Flags::FIN | Flags::RST);
         }
         body.started = true;
         self.body = (body.left > 0).then_some(body);
         let length = u32::try_from(take).unwrap_or(u32::MAX);
-        let header = Header::data(body.header.stream_id, length, Flags(flags));
+        let header = Header::data(body.header.stream_id, length, flags);
         Some(Frame { header, body: self.own(piece) })
     }
 

@@ -1195,7 +1195,7 @@ impl<L: Link> SessionDriver<L> {
             inner.streams.insert(id, cell.clone());
             drop(inner);
             if header.kind == Kind::Data {
-                self.deliver(&cell, Header { flags: Flags(header.flags.0 & !Flags::SYN.0), ..*header }, body.clone())?;
+                self.deliver(&cell, Header { flags: header.flags.without(Flags::SYN), ..*header }, body.clone())?;
             } else if header.flags.contains(Flags::FIN) {
                 cell.lock().recv_fin = true;
             }
