@@ -1,5 +1,6 @@
-//! TLS helpers: rustls with the aws-lc-rs provider, PEM loading with errors that name the file,
-//! a server certificate that can be reloaded without a restart, and client configurations.
+//! TLS helpers: rustls with the aws-lc-rs provider (ring's AES-GCM for records), PEM loading with
+//! errors that name the file, a server certificate that can be reloaded without a restart, and
+//! client configurations.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -44,14 +45,49 @@ pub enum TlsError {
     Config(String),
 }
 
-/// The crypto provider used everywhere: aws-lc-rs.
+/// The crypto provider used everywhere: aws-lc-rs, with ring's implementation of the AES-GCM
+/// cipher suites.
+///
+/// Key exchange (including the post-quantum hybrid), signatures, certificate checks and the
+/// choice and order of suites are aws-lc-rs's defaults. Only the record protection of the
+/// AES-GCM suites comes from ring: it carries the VAES/AVX2 AES-GCM code that aws-lc lacks, and
+/// on such CPUs seals and opens records in about half the time (docs/benchmarks.md, "The record
+/// cipher"); elsewhere both run the same AES-NI code. The bytes on the wire are the same.
 pub fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+    Arc::new(tether_provider())
 }
 
-/// Installs aws-lc-rs as the process default provider (harmless if already installed).
+fn tether_provider() -> CryptoProvider {
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
+    for suite in &mut provider.cipher_suites {
+        if let Some(faster) = ring_aes_gcm(suite.suite()) {
+            *suite = faster;
+        }
+    }
+    provider
+}
+
+/// ring's implementation of an AES-GCM suite, by its id; `None` for every other suite.
+fn ring_aes_gcm(id: rustls::CipherSuite) -> Option<rustls::SupportedCipherSuite> {
+    use rustls::CipherSuite as Id;
+    match id {
+        Id::TLS13_AES_128_GCM_SHA256
+        | Id::TLS13_AES_256_GCM_SHA384
+        | Id::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+        | Id::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384
+        | Id::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+        | Id::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384 => {
+            rustls::crypto::ring::ALL_CIPHER_SUITES.iter().find(|s| s.suite() == id).copied()
+        }
+        _ => None,
+    }
+}
+
+/// Installs Tether's provider (see [`provider`]) as the process default (harmless if one is
+/// already installed). rustls is built with two providers, so code that builds a configuration
+/// without naming one needs this first.
 pub fn install_default_provider() {
-    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let _ = tether_provider().install_default();
 }
 
 /// Reads every certificate in a PEM file.
@@ -213,4 +249,45 @@ pub fn client_config(
     };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn aead(suite: &rustls::SupportedCipherSuite) -> *const () {
+        match suite {
+            rustls::SupportedCipherSuite::Tls13(s) => std::ptr::from_ref(s.aead_alg).cast(),
+            rustls::SupportedCipherSuite::Tls12(s) => std::ptr::from_ref(s.aead_alg).cast(),
+        }
+    }
+
+    #[test]
+    fn aes_gcm_records_come_from_ring_and_all_else_from_aws_lc() {
+        let ours = provider();
+        let aws = rustls::crypto::aws_lc_rs::default_provider();
+        let ring = rustls::crypto::ring::default_provider();
+        // The same suites in the same order as aws-lc-rs's defaults.
+        let ids = |p: &CryptoProvider| p.cipher_suites.iter().map(|s| s.suite()).collect::<Vec<_>>();
+        assert_eq!(ids(&ours), ids(&aws));
+        let mut swapped = 0;
+        for suite in &ours.cipher_suites {
+            let from = |p: &CryptoProvider| p.cipher_suites.iter().find(|s| s.suite() == suite.suite()).map(aead);
+            if format!("{:?}", suite.suite()).contains("AES") {
+                assert_eq!(Some(aead(suite)), from(&ring), "{:?} should be ring's", suite.suite());
+                swapped += 1;
+            } else {
+                assert_eq!(Some(aead(suite)), from(&aws), "{:?} should be aws-lc-rs's", suite.suite());
+            }
+        }
+        assert!(swapped >= 2, "the TLS 1.3 AES-GCM suites are among the defaults");
+        // Key exchange (with the post-quantum hybrid ring lacks) and signatures stay aws-lc-rs's.
+        let groups = |p: &CryptoProvider| p.kx_groups.iter().map(|g| g.name()).collect::<Vec<_>>();
+        assert_eq!(groups(&ours), groups(&aws));
+        assert!(groups(&ours).contains(&rustls::NamedGroup::X25519MLKEM768));
+        assert_eq!(
+            format!("{:?}", ours.signature_verification_algorithms),
+            format!("{:?}", aws.signature_verification_algorithms)
+        );
+    }
 }
