@@ -354,6 +354,79 @@ async fn the_quick_start_demo_runs_and_passes_its_checks() {
     assert!(stdout.contains("curl -p -x http://127.0.0.1:"), "{stdout}");
 }
 
+/// Stopped by SIGTERM (`timeout`, `kill`, a service manager) rather than Ctrl-C, the demo still
+/// shuts down and removes its temporary credentials (CA, dev signing key, agent tokens).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_stopped_by_sigterm_leaves_no_credentials_behind() {
+    use tokio::io::AsyncBufReadExt;
+    let mut attempt = 0;
+    let (mut demo, mut stdout, lines) = loop {
+        attempt += 1;
+        let base = 20_000 + fastrand::u16(0..12_000);
+        let mut demo = tokio::process::Command::new(tether_e2e::bins::bin_path("tether-demo"))
+            .args(["--dials", "5", "--bulk-mib", "1", "--base-port", &base.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stdout = tokio::io::BufReader::new(demo.stdout.take().unwrap()).lines();
+        let mut lines = Vec::new();
+        let ready = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Ok(Some(line)) = stdout.next_line().await {
+                let done = line.contains("Press Ctrl-C to stop.");
+                lines.push(line);
+                if done {
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+        .unwrap_or(false);
+        if ready {
+            break (demo, stdout, lines);
+        }
+        let stderr = demo.wait_with_output().await.unwrap().stderr;
+        let stderr = String::from_utf8_lossy(&stderr);
+        assert!(attempt < 5 && stderr.contains("Address already in use"), "{}\n{stderr}", lines.join("\n"));
+    };
+    let text = lines.join("\n");
+    // The dirs the demo names: its credentials and the control-plane stand-in's CA.
+    let dirs: Vec<std::path::PathBuf> = text
+        .split_whitespace()
+        .filter(|w| w.starts_with("/tmp/tether-local-") || w.starts_with("/tmp/tether-demo-kas-"))
+        .map(|w| {
+            let w = w.trim_start_matches("--cacert=");
+            let path = std::path::Path::new(w);
+            // A file inside the dir (the CA certificate) names the dir too.
+            if path.extension().is_some() { path.parent().unwrap().to_owned() } else { path.to_owned() }
+        })
+        .collect();
+    assert!(dirs.len() >= 2, "the demo names its temporary dirs:\n{text}");
+    for dir in &dirs {
+        assert!(dir.exists(), "{} exists while the demo runs", dir.display());
+    }
+    let pid = demo.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    // Keep reading: the demo reports its shutdown on stdout.
+    let rest = async {
+        let mut rest = Vec::new();
+        while let Ok(Some(line)) = stdout.next_line().await {
+            rest.push(line);
+        }
+        rest
+    };
+    let rest = tokio::time::timeout(Duration::from_secs(30), rest).await.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), demo.wait()).await.unwrap().unwrap();
+    assert!(rest.join("\n").contains("Stopping"), "{}", rest.join("\n"));
+    assert!(status.success(), "the demo stops cleanly on SIGTERM: {status}");
+    for dir in &dirs {
+        assert!(!dir.exists(), "{} is left behind after SIGTERM", dir.display());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_is_picked_up_without_a_restart() {
     let bins = start(false, "5s").await;
