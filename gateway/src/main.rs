@@ -42,7 +42,7 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
     let gateway = Gateway::bind_with_path(config, cli.common.config.clone(), Some(metrics)).await?;
     tracing::info!(agents = %gateway.agent_addr(), admin = %gateway.admin_addr(), "listeners bound");
     let handle = gateway.handle();
-    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let shutdown = cli::stop_signal().context("cannot watch SIGTERM")?;
     let mut hangup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
     let reload = handle.clone();
     tokio::spawn(async move {
@@ -52,11 +52,5 @@ async fn run(cli: Cli, config: GatewayConfig) -> anyhow::Result<()> {
             let _ = reload.reload().await;
         }
     });
-    let shutdown = async move {
-        tokio::select! {
-            _ = terminate.recv() => tracing::info!("SIGTERM received"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
-        }
-    };
     Ok(gateway.run(shutdown).await?)
 }

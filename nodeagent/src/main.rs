@@ -6,7 +6,6 @@ use anyhow::Context as _;
 use clap::Parser;
 use tether_agent::{Agent, AgentConfig};
 use tether_tunnel::cli::{self, CommonArgs};
-use tokio::signal::unix::{SignalKind, signal};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -36,12 +35,6 @@ fn main() -> ExitCode {
 async fn run(cli: Cli, config: AgentConfig) -> anyhow::Result<()> {
     let metrics = cli::start_telemetry(&cli.common, &config.log).map_err(anyhow::Error::msg)?;
     let agent = Agent::bind(config, Some(metrics)).await?;
-    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = terminate.recv() => tracing::info!("SIGTERM received"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
-        }
-    };
+    let shutdown = cli::stop_signal().context("cannot watch SIGTERM")?;
     agent.run(shutdown).await
 }

@@ -109,3 +109,15 @@ pub fn config_error(name: &str, error: &dyn Display) -> ExitCode {
     eprintln!("{name}: {error:#}");
     ExitCode::from(EXIT_CONFIG)
 }
+
+/// Watches SIGTERM (kill, a service manager, Kubernetes) and Ctrl-C: the future it returns ends
+/// when either comes and logs which. Fails only if the SIGTERM handler cannot be installed.
+pub fn stop_signal() -> std::io::Result<impl Future<Output = ()>> {
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => tracing::info!("SIGTERM received"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
+        }
+    })
+}

@@ -241,27 +241,17 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         return Ok(all_ok);
     }
     println!("\nPress Ctrl-C to stop.");
-    stop_requested().await;
+    // Ctrl-C, or SIGTERM (`kill`, `timeout`, a service manager): either stops the deployment and
+    // removes its temporary credentials.
+    match tether_tunnel::cli::stop_signal() {
+        Ok(stop) => stop.await,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
     println!("\nStopping: agents, then the gateway drains.");
     deployment.shutdown().await;
     Ok(all_ok)
-}
-
-/// Ctrl-C, or SIGTERM (`kill`, `timeout`, a service manager): either stops the deployment and
-/// removes its temporary credentials.
-async fn stop_requested() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                terminate.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = terminate => {}
-    }
 }
 
 enum Frontend<'a> {
