@@ -39,7 +39,9 @@ pub struct WsLinkSettings {
     /// Largest frame accepted from the peer.
     pub max_frame_size: usize,
     /// Bytes asked from the transport per read at first; the size doubles (up to 256 KiB) while
-    /// reads fill it, and an idle link holds no read buffer at all.
+    /// reads fill it. An idle link holds no read buffer: a quiet one gives it up as soon as it has
+    /// read everything, a busy one (at least 64 reads since the last keepalive ping) at
+    /// the next ping, so that request/response traffic does not allocate a buffer per message.
     pub read_size: usize,
     /// Accept unmasked frames from a client (both ends are ours; saves a pass over every byte).
     pub accept_unmasked_frames: bool,
@@ -60,6 +62,13 @@ impl Default for WsLinkSettings {
 
 /// Largest read asked from the transport.
 const MAX_READ_SIZE: usize = 256 * 1024;
+
+/// Reads per keepalive interval from which a link keeps its read buffer while it waits for more.
+/// Below it (an agent that only pings, or a few messages a minute) the buffer goes as soon as the
+/// link is idle; at or above it (request/response traffic), freeing and allocating it again for
+/// every message cost about 1,500 instructions per message in each process (docs/benchmarks.md),
+/// so it stays until a keepalive ping finds the link quiet. Links without keepalive always free it.
+const BUSY_READS: u32 = 64;
 
 const OP_CONTINUATION: u8 = 0x0;
 const OP_TEXT: u8 = 0x1;
@@ -156,6 +165,8 @@ pub struct WsLink<S> {
     read: BytesMut,
     /// The size of the next read (see [`WsLinkSettings::read_size`]).
     read_size: usize,
+    /// Reads since the last keepalive ping (saturating): whether an idle link keeps `read`.
+    reads_since_ping: u32,
     frame: Option<InFrame>,
     /// A control frame's payload being collected.
     control: BytesMut,
@@ -181,6 +192,7 @@ where
             io,
             role,
             read_size: settings.read_size.clamp(1024, MAX_READ_SIZE),
+            reads_since_ping: 0,
             settings,
             read: read_ahead,
             frame: None,
@@ -250,6 +262,8 @@ where
     fn poll_keepalive(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         let Some(keepalive) = self.keepalive.as_mut() else { return Ok(()) };
         if keepalive.poll(cx)? {
+            // A new interval: the link has to earn keeping its read buffer again.
+            self.reads_since_ping = 0;
             // A link that is still busy sending is visibly alive; skip this ping.
             if self.control_out.is_empty() {
                 self.queue_control(OP_PING, BytesMut::new());
@@ -264,6 +278,12 @@ where
             }
         }
         Ok(())
+    }
+
+    /// Whether an idle link keeps its (empty) read buffer for the next message: only while it is
+    /// busy, and only when a keepalive ping will come to find it quiet and free it.
+    fn keeps_read_buffer(&self) -> bool {
+        self.keepalive.is_some() && self.reads_since_ping >= BUSY_READS
     }
 
     /// Parses a frame header from the read buffer, if a whole one is there.
@@ -383,6 +403,7 @@ where
                 if data && (self.read.len() as u64) < frame.left && spare > 0 {
                     match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read) {
                         Poll::Ready(Ok(n)) if n > 0 => {
+                            self.reads_since_ping = self.reads_since_ping.saturating_add(1);
                             if n >= spare {
                                 self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
                             }
@@ -437,7 +458,7 @@ where
             let spare = self.read.capacity() - self.read.len();
             let read = match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read) {
                 Poll::Pending => {
-                    if self.read.is_empty() {
+                    if self.read.is_empty() && !self.keeps_read_buffer() {
                         // Idle: keep no buffer (this matters with tens of thousands of agents).
                         self.read = BytesMut::new();
                         self.read_size = self.settings.read_size.clamp(1024, MAX_READ_SIZE);
@@ -447,7 +468,12 @@ where
                 Poll::Ready(read) => read,
             };
             match read {
-                Ok(n) if n >= spare => self.read_size = (self.read_size * 2).min(MAX_READ_SIZE),
+                Ok(n) if n > 0 => {
+                    self.reads_since_ping = self.reads_since_ping.saturating_add(1);
+                    if n >= spare {
+                        self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
+                    }
+                }
                 _ => {}
             }
             match read {
@@ -619,6 +645,53 @@ mod tests {
         assert_eq!(&recv(&mut ours).await.unwrap().unwrap()[..], b"early");
         theirs.send(Message::Binary(Bytes::from_static(b"later"))).await.unwrap();
         assert_eq!(&recv(&mut ours).await.unwrap().unwrap()[..], b"later");
+    }
+
+    /// Polls once more after everything was read: the link waits (Pending) for the next message.
+    fn wait_idle<S: AsyncRead + AsyncWrite + Send + Unpin + 'static>(link: &mut WsLink<S>) {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(link.poll_recv(&mut cx).is_pending(), "nothing more was sent");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_link_keeps_its_read_buffer_between_messages_until_a_ping_finds_it_quiet() {
+        let settings = WsLinkSettings {
+            keepalive: Some(KeepaliveSettings {
+                ping_interval: Duration::from_secs(20),
+                ping_timeout: Duration::from_secs(20),
+            }),
+            ..WsLinkSettings::default()
+        };
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut theirs = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        let mut ours = WsLink::new(a, WsRole::Client, settings, BytesMut::new());
+        // One message at a time, as request/response traffic comes.
+        let one_message = async |ours: &mut WsLink<_>, theirs: &mut WebSocketStream<_>| {
+            theirs.send(Message::Binary(Bytes::from_static(b"request"))).await.unwrap();
+            assert_eq!(&recv(ours).await.unwrap().unwrap()[..], b"request");
+            wait_idle(ours);
+            ours.read.capacity()
+        };
+        // A quiet link gives its buffer up as soon as it waits.
+        assert_eq!(one_message(&mut ours, &mut theirs).await, 0, "a quiet link holds no buffer");
+        let mut held = Vec::new();
+        for _ in 0..2 * BUSY_READS {
+            held.push(one_message(&mut ours, &mut theirs).await);
+        }
+        assert!(held[..BUSY_READS as usize - 2].iter().all(|&c| c == 0), "{held:?}");
+        assert!(held[BUSY_READS as usize..].iter().all(|&c| c > 0), "a busy link keeps its buffer: {held:?}");
+        // The next ping finds the link quiet since the last one: the buffer goes.
+        tokio::time::advance(Duration::from_secs(21)).await;
+        wait_idle(&mut ours);
+        assert_eq!(ours.read.capacity(), 0, "the ping after the traffic stopped frees the buffer");
+        assert!(matches!(theirs.next().await.unwrap().unwrap(), Message::Ping(_)));
+        // Without keepalive nothing would come to free it, so such a link never keeps it.
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let mut theirs = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
+        let mut ours = WsLink::new(a, WsRole::Client, quiet(), BytesMut::new());
+        for _ in 0..2 * BUSY_READS {
+            assert_eq!(one_message(&mut ours, &mut theirs).await, 0, "no keepalive, no buffer kept");
+        }
     }
 
     #[tokio::test(start_paused = true)]
