@@ -538,6 +538,15 @@ mod tests {
         WsLinkSettings { keepalive: None, ..WsLinkSettings::default() }
     }
 
+    /// Keepalive every `interval` s, a silent peer dead `timeout` s after that.
+    fn pinging(interval: u64, timeout: u64) -> WsLinkSettings {
+        let keepalive = KeepaliveSettings {
+            ping_interval: Duration::from_secs(interval),
+            ping_timeout: Duration::from_secs(timeout),
+        };
+        WsLinkSettings { keepalive: Some(keepalive), ..WsLinkSettings::default() }
+    }
+
     /// Our link on one end, tungstenite (an independent RFC 6455 implementation) on the other.
     async fn against_tungstenite(
         role: WsRole,
@@ -655,13 +664,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_busy_link_keeps_its_read_buffer_between_messages_until_a_ping_finds_it_quiet() {
-        let settings = WsLinkSettings {
-            keepalive: Some(KeepaliveSettings {
-                ping_interval: Duration::from_secs(20),
-                ping_timeout: Duration::from_secs(20),
-            }),
-            ..WsLinkSettings::default()
-        };
+        let settings = pinging(20, 20);
         let (a, b) = tokio::io::duplex(1 << 20);
         let mut theirs = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let mut ours = WsLink::new(a, WsRole::Client, settings, BytesMut::new());
@@ -696,13 +699,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_silent_peer_is_declared_dead_and_pings_keep_an_answering_one_alive() {
-        let settings = WsLinkSettings {
-            keepalive: Some(KeepaliveSettings {
-                ping_interval: Duration::from_secs(20),
-                ping_timeout: Duration::from_secs(10),
-            }),
-            ..WsLinkSettings::default()
-        };
+        let settings = pinging(20, 10);
         let (a, b) = tokio::io::duplex(1 << 16);
         let mut theirs = WebSocketStream::from_raw_socket(b, Role::Server, None).await;
         let mut ours = WsLink::new(a, WsRole::Client, settings.clone(), BytesMut::new());
