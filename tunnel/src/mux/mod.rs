@@ -941,6 +941,9 @@ impl<L: Link> SessionDriver<L> {
             return Poll::Pending;
         }
         self.maybe_ping();
+        // Once the link has said Pending in this poll it has registered for its next bytes (and
+        // timers), so later rounds (run for what local tasks queue) need not ask it again.
+        let mut link_waiting = false;
         for _ in 0..ROUNDS_PER_POLL {
             self.poll_local();
             self.poll_send(cx)?;
@@ -953,6 +956,9 @@ impl<L: Link> SessionDriver<L> {
             }
             let mut received = false;
             for _ in 0..8 {
+                if link_waiting {
+                    break;
+                }
                 match self.link.poll_recv(cx) {
                     Poll::Ready(Some(Ok(chunk))) => {
                         received = true;
@@ -966,7 +972,10 @@ impl<L: Link> SessionDriver<L> {
                     }
                     Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(MuxError::Link(e))),
                     Poll::Ready(None) => return Poll::Ready(Ok(())),
-                    Poll::Pending => break,
+                    Poll::Pending => {
+                        link_waiting = true;
+                        break;
+                    }
                 }
             }
             if !received {
