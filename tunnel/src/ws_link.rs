@@ -280,6 +280,15 @@ where
         Ok(())
     }
 
+    /// Accounts for a read of `n` bytes into `spare` free bytes: one more read this keepalive
+    /// interval, and the next read twice as large if this one filled the buffer.
+    fn count_read(&mut self, n: usize, spare: usize) {
+        self.reads_since_ping = self.reads_since_ping.saturating_add(1);
+        if n >= spare {
+            self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
+        }
+    }
+
     /// Whether an idle link keeps its (empty) read buffer for the next message: only while it is
     /// busy, and only when a keepalive ping will come to find it quiet and free it.
     fn keeps_read_buffer(&self) -> bool {
@@ -403,10 +412,7 @@ where
                 if data && (self.read.len() as u64) < frame.left && spare > 0 {
                     match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read) {
                         Poll::Ready(Ok(n)) if n > 0 => {
-                            self.reads_since_ping = self.reads_since_ping.saturating_add(1);
-                            if n >= spare {
-                                self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
-                            }
+                            self.count_read(n, spare);
                             continue;
                         }
                         Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
@@ -467,14 +473,8 @@ where
                 }
                 Poll::Ready(read) => read,
             };
-            match read {
-                Ok(n) if n > 0 => {
-                    self.reads_since_ping = self.reads_since_ping.saturating_add(1);
-                    if n >= spare {
-                        self.read_size = (self.read_size * 2).min(MAX_READ_SIZE);
-                    }
-                }
-                _ => {}
+            if let Ok(n @ 1..) = read {
+                self.count_read(n, spare);
             }
             match read {
                 Ok(0) => {
