@@ -1,21 +1,33 @@
 //! Shared set-up for the tests.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use tether_loadtest::backends;
 use tether_loadtest::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tokio::net::TcpListener;
 
-/// Binds a node-side server on a fresh loopback address of its own (127.0.x.y).
+/// Binds a node-side server on a loopback address of its own (127.0.x.y), distinct from every
+/// other one this test process handed out: agents claim their node's address exclusively, so two
+/// nodes drawn onto one address would route one node's dials to the other.
 pub async fn node_listener() -> (TcpListener, SocketAddr) {
     loop {
-        let ip = IpAddr::from([127, 0, fastrand::u8(1..250), fastrand::u8(1..250)]);
-        if let Ok(listener) = TcpListener::bind((ip, 0)).await {
+        if let Ok(listener) = TcpListener::bind((node_ip(), 0)).await {
             let addr = listener.local_addr().unwrap();
             return (listener, addr);
         }
     }
+}
+
+/// The next node address of this process: 127.0.x.y with x and y in 1..250, walked from a random
+/// start so that concurrent test processes mostly use different ones.
+fn node_ip() -> IpAddr {
+    const SPAN: u32 = 249;
+    static NEXT: LazyLock<AtomicU32> = LazyLock::new(|| AtomicU32::new(fastrand::u32(..SPAN * SPAN)));
+    let n = NEXT.fetch_add(1, Ordering::Relaxed) % (SPAN * SPAN);
+    IpAddr::from([127, 0, (1 + n / SPAN) as u8, (1 + n % SPAN) as u8])
 }
 
 /// A node-side echo server.
