@@ -155,7 +155,7 @@ impl Session {
     /// Asks the driver to close the session: a go-away goes out, then the link closes. Streams
     /// still open fail.
     pub fn close(&self) {
-        self.shared.close_requested.cancel();
+        self.shared.close_requested.store(true, Ordering::Release);
         self.shared.driver.wake();
     }
 
@@ -248,7 +248,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         in_local: std::sync::atomic::AtomicBool::new(false),
         open_streams: AtomicUsize::new(0),
         closed: CancellationToken::new(),
-        close_requested: CancellationToken::new(),
+        close_requested: std::sync::atomic::AtomicBool::new(false),
         role,
         max_streams: settings.max_streams.max(1),
         split_send_size: settings.split_send_size.clamp(1024, MAX_BODY as usize),
@@ -294,7 +294,9 @@ struct SessionShared {
     in_local: std::sync::atomic::AtomicBool,
     open_streams: AtomicUsize,
     closed: CancellationToken,
-    close_requested: CancellationToken,
+    /// [`Session::close`] was called (a flag: the driver reads it on every poll, and a token's
+    /// lock showed in small requests).
+    close_requested: std::sync::atomic::AtomicBool,
     role: Role,
     max_streams: usize,
     split_send_size: usize,
@@ -928,7 +930,7 @@ impl<L: Link> SessionDriver<L> {
 
     fn poll_rounds(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
         self.shared.driver.register(cx.waker());
-        if !self.closing && self.shared.close_requested.is_cancelled() {
+        if !self.closing && self.shared.close_requested.load(Ordering::Acquire) {
             self.begin_close(GoAway::Normal);
         }
         if !self.closing
