@@ -42,6 +42,7 @@ pub mod reload;
 pub mod router;
 pub mod server;
 pub mod session_life;
+pub mod session_threads;
 pub mod settings;
 pub mod target;
 pub mod tenant;

@@ -14,7 +14,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tether_tunnel::tls::{self, ALPN_HTTP11, ReloadableCert};
 use tether_tunnel::transport::Transport;
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +33,7 @@ use crate::peer_endpoint::{self, PeerEndpoint};
 use crate::peers::PeerSet;
 use crate::proxy_protocol;
 use crate::reload::{ReloadError, ReloadSummary, Reloader};
+use crate::session_threads::SessionThreads;
 use crate::settings::{FrontendSettings, SessionSettings};
 use crate::tenant::{Tenant, TenantSet, Tenants};
 
@@ -288,8 +289,15 @@ impl Gateway {
         }
         let endpoint = Arc::new(AgentEndpoint { tenants: tenants.clone(), sessions, listen: config.listen.clone() });
         let admission = Arc::new(Admission::new(config.limits.max_handshakes, config.limits.handshakes_per_source));
-        let agent_listener =
-            tokio::spawn(serve_agents(agents, agent_tls, endpoint, admission, config.limits.handshake_timeout.0));
+        let session_threads = start_session_threads();
+        let agent_listener = tokio::spawn(serve_agents(
+            agents,
+            agent_tls,
+            endpoint,
+            admission,
+            config.limits.handshake_timeout.0,
+            session_threads.clone(),
+        ));
         for (tenant, bound) in bound_frontends {
             frontends.replace(&tenant, bound, &frontend_context).await;
         }
@@ -395,6 +403,7 @@ async fn serve_agents(
     endpoint: Arc<AgentEndpoint>,
     admission: Arc<Admission>,
     handshake_timeout: Duration,
+    threads: Option<Arc<SessionThreads>>,
 ) {
     let lifecycle = endpoint.sessions.lifecycle.clone();
     loop {
@@ -417,8 +426,25 @@ async fn serve_agents(
         };
         let _ = stream.set_nodelay(true);
         let (tls, endpoint, admission) = (tls.clone(), endpoint.clone(), admission.clone());
-        tokio::spawn(async move {
-            let mut stream = stream;
+        // On a session thread the socket moves to that thread's I/O driver.
+        let stream = match threads {
+            None => Accepted::Here(stream),
+            Some(_) => match stream.into_std() {
+                Ok(stream) => Accepted::Moving(stream),
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "agent connection closed: cannot hand it to a session thread");
+                    continue;
+                }
+            },
+        };
+        let connection = async move {
+            let mut stream = match stream.register() {
+                Ok(stream) => stream,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "agent connection closed: cannot register its socket");
+                    return;
+                }
+            };
             let mut peer = peer;
             let listen = &endpoint.listen;
             if listen.proxy_protocol {
@@ -475,7 +501,45 @@ async fn serve_agents(
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "agent HTTP connection ended with an error");
             }
-        });
+        };
+        match &threads {
+            Some(threads) => threads.spawn(connection),
+            None => {
+                tokio::spawn(connection);
+            }
+        }
+    }
+}
+
+/// An accepted agent connection, registered with this runtime or on its way to a session thread.
+enum Accepted {
+    Here(TcpStream),
+    Moving(std::net::TcpStream),
+}
+
+impl Accepted {
+    /// The socket, registered with the I/O driver of the runtime this runs on.
+    fn register(self) -> std::io::Result<TcpStream> {
+        match self {
+            Self::Here(stream) => Ok(stream),
+            Self::Moving(stream) => TcpStream::from_std(stream),
+        }
+    }
+}
+
+/// One session thread per worker of the current runtime, unless it has a single worker (then
+/// connections stay where they are: there is nowhere for them to move to).
+fn start_session_threads() -> Option<Arc<SessionThreads>> {
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    if workers < 2 {
+        return None;
+    }
+    match SessionThreads::start(workers) {
+        Ok(threads) => Some(Arc::new(threads)),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start session threads; agent connections share the runtime's workers");
+            None
+        }
     }
 }
 
