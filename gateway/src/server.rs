@@ -426,25 +426,7 @@ async fn serve_agents(
         };
         let _ = stream.set_nodelay(true);
         let (tls, endpoint, admission) = (tls.clone(), endpoint.clone(), admission.clone());
-        // On a session thread the socket moves to that thread's I/O driver.
-        let stream = match threads {
-            None => Accepted::Here(stream),
-            Some(_) => match stream.into_std() {
-                Ok(stream) => Accepted::Moving(stream),
-                Err(e) => {
-                    tracing::warn!(%peer, error = %e, "agent connection closed: cannot hand it to a session thread");
-                    continue;
-                }
-            },
-        };
-        let connection = async move {
-            let mut stream = match stream.register() {
-                Ok(stream) => stream,
-                Err(e) => {
-                    tracing::warn!(%peer, error = %e, "agent connection closed: cannot register its socket");
-                    return;
-                }
-            };
+        let connection = move |mut stream: TcpStream| async move {
             let mut peer = peer;
             let listen = &endpoint.listen;
             if listen.proxy_protocol {
@@ -503,26 +485,10 @@ async fn serve_agents(
             }
         };
         match &threads {
-            Some(threads) => threads.spawn(connection),
+            Some(threads) => threads.serve(stream, peer, connection),
             None => {
-                tokio::spawn(connection);
+                tokio::spawn(connection(stream));
             }
-        }
-    }
-}
-
-/// An accepted agent connection, registered with this runtime or on its way to a session thread.
-enum Accepted {
-    Here(TcpStream),
-    Moving(std::net::TcpStream),
-}
-
-impl Accepted {
-    /// The socket, registered with the I/O driver of the runtime this runs on.
-    fn register(self) -> std::io::Result<TcpStream> {
-        match self {
-            Self::Here(stream) => Ok(stream),
-            Self::Moving(stream) => TcpStream::from_std(stream),
         }
     }
 }

@@ -9,9 +9,11 @@
 //! of them (each new one goes to the thread with the fewest).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use tokio::net::TcpStream;
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 
@@ -48,9 +50,31 @@ impl SessionThreads {
         Ok(Self { threads, stop })
     }
 
-    /// Runs `task` on the thread with the fewest connections (sockets it creates or converts with
-    /// `from_std` register with that thread's I/O driver).
-    pub fn spawn<F>(&self, task: F)
+    /// Serves an accepted connection with `serve` on the thread with the fewest connections, its
+    /// socket moved to that thread's I/O driver. A socket that cannot be moved is closed (logged).
+    pub fn serve<F, Fut>(&self, stream: TcpStream, peer: SocketAddr, serve: F)
+    where
+        F: FnOnce(TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "connection closed: cannot hand it to a session thread");
+                return;
+            }
+        };
+        self.spawn(async move {
+            match TcpStream::from_std(stream) {
+                Ok(stream) => serve(stream).await,
+                Err(e) => tracing::warn!(%peer, error = %e, "connection closed: cannot register its socket"),
+            }
+        });
+    }
+
+    /// Runs `task` on the thread with the fewest connections (sockets it creates register with
+    /// that thread's I/O driver).
+    fn spawn<F>(&self, task: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
@@ -63,16 +87,6 @@ impl SessionThreads {
             let _load = load;
             task.await;
         });
-    }
-
-    /// How many threads there are.
-    pub fn len(&self) -> usize {
-        self.threads.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.threads.is_empty()
     }
 }
 
