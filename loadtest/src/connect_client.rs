@@ -3,7 +3,7 @@
 use std::io;
 use std::path::Path;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
 
 /// The answer to a CONNECT that did not open a tunnel.
@@ -22,7 +22,11 @@ pub async fn connect_via<S>(mut stream: S, target: &str) -> io::Result<Result<S,
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    stream.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes()).await?;
+    tether_tunnel::transport::send_all(
+        &mut stream,
+        format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes(),
+    )
+    .await?;
     // Read the head byte by byte so no tunnel bytes are consumed (kube-apiserver requires that
     // nothing follows the head).
     let mut head = Vec::with_capacity(64);

@@ -104,8 +104,13 @@ pub async fn read_a_little_then_abort<S>(mut stream: S)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream.write_all(b"GET /containerLogs/default/app/app?follow=true HTTP/1.1\r\nHost: node\r\n\r\n").await.unwrap();
+    use tokio::io::AsyncReadExt;
+    tether_tunnel::transport::send_all(
+        &mut stream,
+        b"GET /containerLogs/default/app/app?follow=true HTTP/1.1\r\nHost: node\r\n\r\n",
+    )
+    .await
+    .unwrap();
     let mut buf = vec![0u8; 16 * 1024];
     let mut got = 0;
     while got < 100 * 1024 {

@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 
 use tether_tunnel::splice::{Direction, splice, splice_mux};
 use tether_tunnel::tls::{self, ReloadableCert};
+use tether_tunnel::transport::send_all;
 use tether_tunnel::untrusted::printable;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
@@ -392,13 +393,13 @@ where
     let request_timeout = context.settings.connect_request_timeout;
     let request = match Box::pin(tokio::time::timeout(request_timeout, read_request(&mut client))).await {
         Err(_) => {
-            let _ = client.write_all(&error_response(400, "timed out waiting for the CONNECT request")).await;
+            let _ = send_all(&mut client, &error_response(400, "timed out waiting for the CONNECT request")).await;
             return;
         }
         Ok(Err(e)) => {
             tracing::debug!(tenant = %tenant.name, %peer, error = %e, "bad CONNECT request");
             if let Some(status) = e.status() {
-                let _ = client.write_all(&error_response(status, &e.to_string())).await;
+                let _ = send_all(&mut client, &error_response(status, &e.to_string())).await;
             }
             return;
         }
@@ -410,7 +411,7 @@ where
         Ok(target) => target,
         Err(reason) => {
             log.write(&printable(&request.target, 256), "bad_request", 400, None, (0, 0));
-            let _ = client.write_all(&error_response(400, &reason.to_string())).await;
+            let _ = send_all(&mut client, &error_response(400, &reason.to_string())).await;
             return;
         }
     };
@@ -420,7 +421,7 @@ where
         Err(e) => {
             tracing::info!(tenant = %tenant.name, %peer, %target, status = e.status(), error = %e, "dial failed");
             log.write(&target.to_string(), e.label(), e.status(), None, (0, 0));
-            let _ = client.write_all(&error_response(e.status(), &e.to_string())).await;
+            let _ = send_all(&mut client, &error_response(e.status(), &e.to_string())).await;
             return;
         }
     };
@@ -508,10 +509,10 @@ where
     let (tenant, context, peer) = (&log.tenant, &log.context, log.who.peer.as_str());
     let (sent, received) = (audit::ByteCount::default(), audit::ByteCount::default());
     let tunnelled = async {
-        if client.write_all(ESTABLISHED).await.is_err() {
+        if send_all(&mut client, ESTABLISHED).await.is_err() {
             return;
         }
-        if !early_data.is_empty() && dialed.stream.write_all(&early_data).await.is_err() {
+        if !early_data.is_empty() && send_all(&mut dialed.stream, &early_data).await.is_err() {
             return;
         }
         let to_agent = metrics::counter!(BYTES, "tenant" => tenant.name.to_string(), "direction" => "to_agent");

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use rustls::pki_types::ServerName;
 use tether_tunnel::tls::{self, ClientRoots};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tether_tunnel::transport::send_all;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
@@ -122,7 +123,7 @@ impl PeerClient {
                 "GET /v1/peer/inventory?limit={limit} HTTP/1.1\r\nHost: peer\r\n{REPLICA_HEADER}: {requester}\r\nConnection: close\r\n\r\n"
             );
             let unreachable = |e: std::io::Error| InventoryError::Unreachable(e.to_string());
-            stream.write_all(request.as_bytes()).await.map_err(unreachable)?;
+            send_all(&mut stream, request.as_bytes()).await.map_err(unreachable)?;
             let mut response = Vec::new();
             (&mut stream).take(MAX_INVENTORY as u64).read_to_end(&mut response).await.map_err(unreachable)?;
             let split = response
@@ -155,7 +156,7 @@ impl PeerClient {
             let request = format!(
                 "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{TENANT_HEADER}: {tenant}\r\n{STRATEGY_HEADER}: {strategy}\r\n\r\n"
             );
-            stream.write_all(request.as_bytes()).await.map_err(|e| ForwardError::Unreachable(e.to_string()))?;
+            send_all(&mut stream, request.as_bytes()).await.map_err(|e| ForwardError::Unreachable(e.to_string()))?;
             let mut head = Vec::with_capacity(128);
             while !head.ends_with(b"\r\n\r\n") {
                 if head.len() > 16 * 1024 {

@@ -25,6 +25,11 @@ use tokio::net::TcpListener;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// How long one request of a check may take before it counts as failed.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the bulk transfer may take (both ways, at the largest `--bulk-mib` anyone would try).
+const BULK_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Runs a complete local Tether deployment with generated credentials and shows it working.
 #[derive(Parser)]
 #[command(version, about)]
@@ -160,8 +165,12 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     let mut all_ok = true;
     let tcp = dial_round(&cli, &nodes, Frontend::Tcp(deployment.frontend_addr)).await;
     let uds = dial_round(&cli, &nodes, Frontend::GrpcUnix(&deployment.frontend_uds)).await;
-    let bulk = bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20).await;
-    let refused = check_refusal(deployment.frontend_addr).await;
+    let bulk = tokio::time::timeout(BULK_TIMEOUT, bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20))
+        .await
+        .unwrap_or_else(|_| Err(format!("not done within {} s", BULK_TIMEOUT.as_secs())));
+    let refused = tokio::time::timeout(REQUEST_TIMEOUT, check_refusal(deployment.frontend_addr))
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())));
     let upstream = node_to_controlplane(listener_addr, &kas_ca.ca_cert, cli.dials.min(50)).await;
 
     println!("  {:<38} {:>8} {:>10} {:>10} {:>10}", "check", "result", "p50", "p99", "rate");
@@ -274,21 +283,26 @@ async fn dial_round(cli: &Cli, nodes: &[Node], frontend: Frontend<'_>) -> Round 
     for i in 0..cli.dials {
         let node = &nodes[i % nodes.len()];
         let begin = Instant::now();
-        let answer = match &frontend {
-            Frontend::Tcp(addr) => match connect_tcp(*addr, &node.addr.to_string()).await {
-                Ok(Ok(stream)) => request(stream).await,
-                Ok(Err(refused)) => Err(refused.to_string()),
-                Err(e) => Err(e.to_string()),
-            },
-            Frontend::GrpcUnix(path) => match tokio::net::UnixStream::connect(path).await {
-                Ok(stream) => match tether_loadtest::grpc_client::dial(stream, &node.addr.to_string()).await {
-                    Ok(Ok(conn)) => request(conn).await,
-                    Ok(Err(refused)) => Err(refused),
+        let answer = async {
+            match &frontend {
+                Frontend::Tcp(addr) => match connect_tcp(*addr, &node.addr.to_string()).await {
+                    Ok(Ok(stream)) => request(stream).await,
+                    Ok(Err(refused)) => Err(refused.to_string()),
                     Err(e) => Err(e.to_string()),
                 },
-                Err(e) => Err(e.to_string()),
-            },
+                Frontend::GrpcUnix(path) => match tokio::net::UnixStream::connect(path).await {
+                    Ok(stream) => match tether_loadtest::grpc_client::dial(stream, &node.addr.to_string()).await {
+                        Ok(Ok(conn)) => request(conn).await,
+                        Ok(Err(refused)) => Err(refused),
+                        Err(e) => Err(e.to_string()),
+                    },
+                    Err(e) => Err(e.to_string()),
+                },
+            }
         };
+        let answer = tokio::time::timeout(REQUEST_TIMEOUT, answer)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())));
         match answer {
             Ok(body) if body.contains(node.id) => {
                 ok += 1;
@@ -309,7 +323,9 @@ async fn dial_round(cli: &Cli, nodes: &[Node], frontend: Frontend<'_>) -> Round 
 }
 
 async fn request<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut stream: S) -> Result<String, String> {
-    stream.write_all(b"GET /demo HTTP/1.1\r\nHost: node\r\n\r\n").await.map_err(|e| e.to_string())?;
+    tether_tunnel::transport::send_all(&mut stream, b"GET /demo HTTP/1.1\r\nHost: node\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.map_err(|e| e.to_string())?;
     Ok(response)
@@ -426,9 +442,12 @@ async fn node_to_controlplane(listener: SocketAddr, kas_ca: &Path, requests: usi
             let tcp = tokio::net::TcpStream::connect(listener).await.map_err(|e| e.to_string())?;
             let name = rustls_pki_types::ServerName::try_from("kubernetes.default.svc").map_err(|e| e.to_string())?;
             let mut tls = connector.connect(name, tcp).await.map_err(|e| format!("TLS: {e}"))?;
-            tls.write_all(b"GET /version HTTP/1.1\r\nHost: kubernetes.default.svc\r\n\r\n")
-                .await
-                .map_err(|e| e.to_string())?;
+            tether_tunnel::transport::send_all(
+                &mut tls,
+                b"GET /version HTTP/1.1\r\nHost: kubernetes.default.svc\r\n\r\n",
+            )
+            .await
+            .map_err(|e| e.to_string())?;
             let mut response = String::new();
             tls.read_to_string(&mut response).await.map_err(|e| e.to_string())?;
             if response.contains("v1.31.0-tether-demo") && response.contains("\"sni\":\"kubernetes.default.svc\"") {
@@ -436,6 +455,12 @@ async fn node_to_controlplane(listener: SocketAddr, kas_ca: &Path, requests: usi
             } else {
                 Err(format!("unexpected answer: {response}"))
             }
+        };
+        // A request that stalls is a failure to report, not a demo that hangs.
+        let attempt = async {
+            tokio::time::timeout(REQUEST_TIMEOUT, attempt)
+                .await
+                .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())))
         };
         match attempt.await {
             Ok(()) => {
