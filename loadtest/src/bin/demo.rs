@@ -165,12 +165,8 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
     let mut all_ok = true;
     let tcp = dial_round(&cli, &nodes, Frontend::Tcp(deployment.frontend_addr)).await;
     let uds = dial_round(&cli, &nodes, Frontend::GrpcUnix(&deployment.frontend_uds)).await;
-    let bulk = tokio::time::timeout(BULK_TIMEOUT, bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20))
-        .await
-        .unwrap_or_else(|_| Err(format!("not done within {} s", BULK_TIMEOUT.as_secs())));
-    let refused = tokio::time::timeout(REQUEST_TIMEOUT, check_refusal(deployment.frontend_addr))
-        .await
-        .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())));
+    let bulk = within(BULK_TIMEOUT, bulk_round(deployment.frontend_addr, bulk_addr, cli.bulk_mib << 20)).await;
+    let refused = within(REQUEST_TIMEOUT, check_refusal(deployment.frontend_addr)).await;
     let upstream = node_to_controlplane(listener_addr, &kas_ca.ca_cert, cli.dials.min(50)).await;
 
     println!("  {:<38} {:>8} {:>10} {:>10} {:>10}", "check", "result", "p50", "p99", "rate");
@@ -300,10 +296,7 @@ async fn dial_round(cli: &Cli, nodes: &[Node], frontend: Frontend<'_>) -> Round 
                 },
             }
         };
-        let answer = tokio::time::timeout(REQUEST_TIMEOUT, answer)
-            .await
-            .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())));
-        match answer {
+        match within(REQUEST_TIMEOUT, answer).await {
             Ok(body) if body.contains(node.id) => {
                 ok += 1;
                 let _ = latency.record(u64::try_from(begin.elapsed().as_micros()).unwrap_or(u64::MAX).max(1));
@@ -456,13 +449,7 @@ async fn node_to_controlplane(listener: SocketAddr, kas_ca: &Path, requests: usi
                 Err(format!("unexpected answer: {response}"))
             }
         };
-        // A request that stalls is a failure to report, not a demo that hangs.
-        let attempt = async {
-            tokio::time::timeout(REQUEST_TIMEOUT, attempt)
-                .await
-                .unwrap_or_else(|_| Err(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())))
-        };
-        match attempt.await {
+        match within(REQUEST_TIMEOUT, attempt).await {
             Ok(()) => {
                 ok += 1;
                 let _ = latency.record(u64::try_from(begin.elapsed().as_micros()).unwrap_or(u64::MAX).max(1));
@@ -477,6 +464,11 @@ async fn node_to_controlplane(listener: SocketAddr, kas_ca: &Path, requests: usi
         return Err(format!("all {failures} requests failed"));
     }
     Ok(Round { ok, failures, latency, per_second: ok as f64 / started.elapsed().as_secs_f64().max(1e-9) })
+}
+
+/// A check that stalls is a failure to report, not a demo that hangs.
+async fn within<T>(limit: Duration, check: impl Future<Output = Result<T, String>>) -> Result<T, String> {
+    tokio::time::timeout(limit, check).await.unwrap_or_else(|_| Err(format!("no answer within {} s", limit.as_secs())))
 }
 
 fn truncate(s: &str, n: usize) -> String {
