@@ -260,9 +260,13 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         polling: std::sync::atomic::AtomicBool::new(false),
         woken: std::sync::atomic::AtomicBool::new(false),
     });
+    let link_wake =
+        Arc::new(LinkWake { local: local_wake.clone(), readable: std::sync::atomic::AtomicBool::new(true) });
     let mut driver = SessionDriver {
         shared: shared.clone(),
         link,
+        link_waker: Waker::from(link_wake.clone()),
+        link_wake,
         reader: FrameReader::new(),
         accept: Some(in_tx),
         pending: None,
@@ -785,6 +789,9 @@ enum Deliver {
 struct SessionDriver<L> {
     shared: Arc<SessionShared>,
     link: L,
+    /// The waker every call on the link is made with, and its state (see [`LinkWake`]).
+    link_wake: Arc<LinkWake>,
+    link_waker: Waker,
     reader: FrameReader,
     /// Dropped when the session stops taking new streams.
     accept: Option<mpsc::Sender<Box<MuxStream>>>,
@@ -837,6 +844,30 @@ impl std::task::Wake for LocalWake {
         if !self.polling.load(Ordering::SeqCst) {
             self.task.wake();
         }
+    }
+}
+
+/// The waker of the link. It records that the link woke the driver (bytes or room arrived, a
+/// keepalive timer fired), so that the driver asks the link for bytes only then, or while its last
+/// read returned some: a driver woken by a session-local task (a request read from a node-side
+/// socket) does not try a read of the link that cannot succeed (a TLS read returning `Pending`,
+/// once per small request per process). Every call on the link uses it, so no wake-up of the link
+/// reaches the driver without raising the flag.
+struct LinkWake {
+    /// Holds the driver task's waker.
+    local: Arc<LocalWake>,
+    /// Set when the link wakes the driver (and at the start); cleared before each receive attempt.
+    readable: std::sync::atomic::AtomicBool,
+}
+
+impl std::task::Wake for LinkWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.readable.store(true, Ordering::SeqCst);
+        self.local.task.wake();
     }
 }
 
@@ -943,41 +974,41 @@ impl<L: Link> SessionDriver<L> {
             return Poll::Pending;
         }
         self.maybe_ping();
-        // Once the link has said Pending in this poll it has registered for its next bytes (and
-        // timers), so later rounds (run for what local tasks queue) need not ask it again.
-        let mut link_waiting = false;
+        let link_waker = self.link_waker.clone();
+        let mut link_cx = Context::from_waker(&link_waker);
         for _ in 0..ROUNDS_PER_POLL {
             self.poll_local();
-            self.poll_send(cx)?;
+            self.poll_send(&mut link_cx)?;
             if self.closing {
-                return self.poll_finish_close(cx);
+                return self.poll_finish_close(cx, &mut link_cx);
             }
             if self.shared.lock().out.len() > OUT_HARD_LIMIT {
                 // The peer does not read what we owe it; stop reading until it does.
                 return Poll::Pending;
             }
             let mut received = false;
+            // The link is asked only when it woke the driver or its last read returned bytes: once
+            // it has said Pending it has registered for its next bytes (and timers), and its wake
+            // raises the flag again.
             for _ in 0..8 {
-                if link_waiting {
+                if !self.link_wake.readable.swap(false, Ordering::SeqCst) {
                     break;
                 }
-                match self.link.poll_recv(cx) {
+                match self.link.poll_recv(&mut link_cx) {
                     Poll::Ready(Some(Ok(chunk))) => {
+                        self.link_wake.readable.store(true, Ordering::SeqCst);
                         received = true;
                         if let Err(e) = self.on_chunk(chunk) {
                             tracing::info!(error = %e, "closing the tunnel session");
                             self.begin_close(GoAway::ProtocolError);
-                            let _ = self.poll_send(cx);
-                            let _ = self.link.poll_flush(cx);
+                            let _ = self.poll_send(&mut link_cx);
+                            let _ = self.link.poll_flush(&mut link_cx);
                             return Poll::Ready(Err(e));
                         }
                     }
                     Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(MuxError::Link(e))),
                     Poll::Ready(None) => return Poll::Ready(Ok(())),
-                    Poll::Pending => {
-                        link_waiting = true;
-                        break;
-                    }
+                    Poll::Pending => break,
                 }
             }
             if !received {
@@ -1029,8 +1060,8 @@ impl<L: Link> SessionDriver<L> {
         }
     }
 
-    /// Sends queued frames as batches, then flushes.
-    fn poll_send(&mut self, cx: &mut Context<'_>) -> Result<(), MuxError> {
+    /// Sends queued frames as batches, then flushes (`link_cx` carries the link's waker).
+    fn poll_send(&mut self, link_cx: &mut Context<'_>) -> Result<(), MuxError> {
         loop {
             if self.pending.is_none() {
                 let (batch, waiters) = {
@@ -1061,7 +1092,7 @@ impl<L: Link> SessionDriver<L> {
                 self.pending = batch;
             }
             let Some(batch) = self.pending.take() else { break };
-            match self.link.poll_ready(cx) {
+            match self.link.poll_ready(link_cx) {
                 Poll::Ready(Ok(())) => {
                     self.link.start_send(batch)?;
                     self.needs_flush = true;
@@ -1074,7 +1105,7 @@ impl<L: Link> SessionDriver<L> {
             }
         }
         if self.needs_flush {
-            match self.link.poll_flush(cx) {
+            match self.link.poll_flush(link_cx) {
                 Poll::Ready(Ok(())) => self.needs_flush = false,
                 Poll::Ready(Err(e)) => return Err(MuxError::Link(e)),
                 Poll::Pending => {}
@@ -1116,7 +1147,7 @@ impl<L: Link> SessionDriver<L> {
         inner.queue(Header::go_away(code), &[]);
     }
 
-    fn poll_finish_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+    fn poll_finish_close(&mut self, cx: &mut Context<'_>, link_cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
         if self.close_deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
             return Poll::Ready(Ok(()));
         }
@@ -1124,7 +1155,7 @@ impl<L: Link> SessionDriver<L> {
         if !drained {
             return Poll::Pending;
         }
-        match self.link.poll_close(cx) {
+        match self.link.poll_close(link_cx) {
             Poll::Ready(_) => Poll::Ready(Ok(())),
             Poll::Pending => Poll::Pending,
         }

@@ -712,3 +712,45 @@ async fn an_exchange_with_a_local_task_costs_one_pass_of_the_driver() {
     let per_exchange = (reads.load(Ordering::SeqCst) - before) as f64 / EXCHANGES as f64;
     assert!(per_exchange <= 3.5, "the driver read its link {per_exchange:.2} times per exchange");
 }
+
+/// A driver woken only by a session-local task (bytes read from a node-side socket) sends them
+/// without asking the link for bytes it was never told about: the link is read when it woke the
+/// driver, not on every wake (that read returned `Pending` once per small request).
+#[tokio::test(flavor = "current_thread")]
+async fn a_driver_woken_by_a_local_task_does_not_read_its_link() {
+    const MESSAGES: usize = 200;
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let link = CountingLink::new(a);
+    let reads = link.reads.clone();
+    let settings = MuxSettings::default();
+    let (client, _client_in, client_driver) = start(link, Role::Client, &settings);
+    let (_server, mut server_in, server_driver) = start(ByteLink::new(b), Role::Server, &settings);
+    tokio::spawn(client_driver);
+    tokio::spawn(server_driver);
+
+    let mut out = client.open().await.unwrap();
+    out.write_all(b"hello").await.unwrap();
+    let mut inbound = within("accept", server_in.accept()).await.unwrap();
+    let mut word = [0u8; 5];
+    within("first message", inbound.read_exact(&mut word)).await.unwrap();
+    // The node-side socket: the local task copies what arrives on it into the stream.
+    let (mut socket, mut node_side) = tokio::io::duplex(1024);
+    client.spawn_local(async move {
+        let mut word = [0u8; 5];
+        while node_side.read_exact(&mut word).await.is_ok() {
+            if out.write_all(&word).await.is_err() {
+                break;
+            }
+        }
+    });
+    // Let the first ping's answer settle.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = reads.load(Ordering::SeqCst);
+    for _ in 0..MESSAGES {
+        socket.write_all(b"again").await.unwrap();
+        within("message", inbound.read_exact(&mut word)).await.unwrap();
+        assert_eq!(&word, b"again");
+    }
+    let reads = reads.load(Ordering::SeqCst) - before;
+    assert!(reads < MESSAGES / 10, "the driver read its link {reads} times for {MESSAGES} messages it only sent");
+}
