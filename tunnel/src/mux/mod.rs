@@ -265,8 +265,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
     let mut driver = SessionDriver {
         shared: shared.clone(),
         link,
-        link_waker: Waker::from(link_wake.clone()),
-        link_wake,
+        link_wake: link_wake.clone(),
         reader: FrameReader::new(),
         accept: Some(in_tx),
         pending: None,
@@ -284,7 +283,10 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
     };
     let task = async move {
         let _ended = EndGuard(shared);
-        poll_fn(|cx| driver.poll(cx)).await
+        // The link's waker lives beside the driver, not in it, so that a poll lends it to the
+        // link's calls without cloning it.
+        let link_waker = Waker::from(link_wake);
+        poll_fn(|cx| driver.poll(cx, &link_waker)).await
     };
     (session, Incoming { rx: in_rx }, Box::pin(task))
 }
@@ -789,9 +791,8 @@ enum Deliver {
 struct SessionDriver<L> {
     shared: Arc<SessionShared>,
     link: L,
-    /// The waker every call on the link is made with, and its state (see [`LinkWake`]).
+    /// The state of the waker every call on the link is made with (see [`LinkWake`]).
     link_wake: Arc<LinkWake>,
-    link_waker: Waker,
     reader: FrameReader,
     /// Dropped when the session stops taking new streams.
     accept: Option<mpsc::Sender<Box<MuxStream>>>,
@@ -943,13 +944,13 @@ const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<L: Link> SessionDriver<L> {
     /// Polls the session; runs more rounds at once when a session-local task was woken while the
-    /// driver polled (see [`LocalWake`]).
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+    /// driver polled (see [`LocalWake`]). Every call on the link is made with `link_waker`.
+    fn poll(&mut self, cx: &mut Context<'_>, link_waker: &Waker) -> Poll<Result<(), MuxError>> {
         self.local_wake.task.register(cx.waker());
         for _ in 0..LOCAL_REPOLLS {
             self.local_wake.polling.store(true, Ordering::SeqCst);
             self.rewoken = false;
-            let polled = self.poll_rounds(cx);
+            let polled = self.poll_rounds(cx, link_waker);
             self.local_wake.polling.store(false, Ordering::SeqCst);
             if polled.is_ready() || self.rewoken || !self.local_wake.woken.swap(false, Ordering::SeqCst) {
                 return polled;
@@ -959,7 +960,7 @@ impl<L: Link> SessionDriver<L> {
         Poll::Pending
     }
 
-    fn poll_rounds(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), MuxError>> {
+    fn poll_rounds(&mut self, cx: &mut Context<'_>, link_waker: &Waker) -> Poll<Result<(), MuxError>> {
         self.shared.driver.register(cx.waker());
         if !self.closing && self.shared.close_requested.load(Ordering::Acquire) {
             self.begin_close(GoAway::Normal);
@@ -974,8 +975,7 @@ impl<L: Link> SessionDriver<L> {
             return Poll::Pending;
         }
         self.maybe_ping();
-        let link_waker = self.link_waker.clone();
-        let mut link_cx = Context::from_waker(&link_waker);
+        let mut link_cx = Context::from_waker(link_waker);
         for _ in 0..ROUNDS_PER_POLL {
             self.poll_local();
             self.poll_send(&mut link_cx)?;
