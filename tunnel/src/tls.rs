@@ -1,6 +1,6 @@
-//! TLS helpers: rustls with the aws-lc-rs provider (ring's AES-GCM for records), PEM loading with
-//! errors that name the file, a server certificate that can be reloaded without a restart, and
-//! client configurations.
+//! TLS helpers: rustls with the aws-lc-rs provider (the faster of aws-lc's and ring's AES-GCM for
+//! records), PEM loading with errors that name the file, a server certificate that can be
+//! reloaded without a restart, and client configurations.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -45,26 +45,55 @@ pub enum TlsError {
     Config(String),
 }
 
-/// The crypto provider used everywhere: aws-lc-rs, with ring's implementation of the AES-GCM
-/// cipher suites.
+/// The crypto provider used everywhere: aws-lc-rs, with the AES-GCM record cipher taken from
+/// whichever of aws-lc and ring is the faster on this CPU.
 ///
 /// Key exchange (including the post-quantum hybrid), signatures, certificate checks and the
 /// choice and order of suites are aws-lc-rs's defaults. Only the record protection of the
-/// AES-GCM suites comes from ring: it carries the VAES/AVX2 AES-GCM code that aws-lc lacks, and
-/// on such CPUs seals and opens records in about half the time (docs/benchmarks.md, "The record
-/// cipher"); elsewhere both run the same AES-NI code. The bytes on the wire are the same.
+/// AES-GCM suites (a fifth of a tunnel process's CPU under bulk traffic) may come from ring:
+/// on CPUs with VAES but without AVX-512, ring's VAES/AVX2 code seals and opens records in
+/// about half aws-lc's time; with AVX-512 (and VAES, VPCLMULQDQ) aws-lc's own code is the
+/// faster by about a seventh (docs/benchmarks.md, "The record cipher"). Without VAES both run
+/// the same AES-NI code. The bytes on the wire are the same either way.
 pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(tether_provider())
 }
 
 fn tether_provider() -> CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
-    for suite in &mut provider.cipher_suites {
-        if let Some(faster) = ring_aes_gcm(suite.suite()) {
-            *suite = faster;
+    if record_cipher() == RecordCipher::Ring {
+        for suite in &mut provider.cipher_suites {
+            if let Some(faster) = ring_aes_gcm(suite.suite()) {
+                *suite = faster;
+            }
         }
     }
     provider
+}
+
+/// Whose AES-GCM protects the records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecordCipher {
+    AwsLc,
+    Ring,
+}
+
+/// aws-lc where it has its AVX-512 AES-GCM (it checks for exactly these features before using
+/// it), ring everywhere else.
+fn record_cipher() -> RecordCipher {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("vaes")
+            && std::arch::is_x86_feature_detected!("vpclmulqdq")
+        {
+            return RecordCipher::AwsLc;
+        }
+    }
+    RecordCipher::Ring
 }
 
 /// ring's implementation of an AES-GCM suite, by its id; `None` for every other suite.
@@ -262,11 +291,22 @@ mod tests {
         }
     }
 
+    /// What the kernel says of the CPU (`/proc/cpuinfo`), independently of the standard library's
+    /// detection: whether aws-lc will use its AVX-512 AES-GCM here.
+    fn cpuinfo_has_aws_lc_avx512_gcm() -> bool {
+        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else { return false };
+        let Some(flags) = info.lines().find(|l| l.starts_with("flags")) else { return false };
+        let flags: Vec<&str> = flags.split_whitespace().collect();
+        cfg!(target_arch = "x86_64")
+            && ["avx512f", "avx512dq", "avx512bw", "avx512vl", "vaes", "vpclmulqdq"].iter().all(|f| flags.contains(f))
+    }
+
     #[test]
-    fn aes_gcm_records_come_from_ring_and_all_else_from_aws_lc() {
+    fn aes_gcm_records_come_from_the_faster_crate_and_all_else_from_aws_lc() {
         let ours = provider();
         let aws = rustls::crypto::aws_lc_rs::default_provider();
         let ring = rustls::crypto::ring::default_provider();
+        let (faster, name) = if cpuinfo_has_aws_lc_avx512_gcm() { (&aws, "aws-lc-rs's") } else { (&ring, "ring's") };
         // The same suites in the same order as aws-lc-rs's defaults.
         let ids = |p: &CryptoProvider| p.cipher_suites.iter().map(|s| s.suite()).collect::<Vec<_>>();
         assert_eq!(ids(&ours), ids(&aws));
@@ -274,7 +314,7 @@ mod tests {
         for suite in &ours.cipher_suites {
             let from = |p: &CryptoProvider| p.cipher_suites.iter().find(|s| s.suite() == suite.suite()).map(aead);
             if format!("{:?}", suite.suite()).contains("AES") {
-                assert_eq!(Some(aead(suite)), from(&ring), "{:?} should be ring's", suite.suite());
+                assert_eq!(Some(aead(suite)), from(faster), "{:?} should be {name} on this CPU", suite.suite());
                 swapped += 1;
             } else {
                 assert_eq!(Some(aead(suite)), from(&aws), "{:?} should be aws-lc-rs's", suite.suite());
