@@ -61,7 +61,7 @@ pub fn provider() -> Arc<CryptoProvider> {
 
 fn tether_provider() -> CryptoProvider {
     let mut provider = rustls::crypto::aws_lc_rs::default_provider();
-    if record_cipher() == RecordCipher::Ring {
+    if !aws_lc_has_avx512_gcm() {
         for suite in &mut provider.cipher_suites {
             if let Some(faster) = ring_aes_gcm(suite.suite()) {
                 *suite = faster;
@@ -71,29 +71,22 @@ fn tether_provider() -> CryptoProvider {
     provider
 }
 
-/// Whose AES-GCM protects the records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RecordCipher {
-    AwsLc,
-    Ring,
-}
-
-/// aws-lc where it has its AVX-512 AES-GCM (it checks for exactly these features before using
-/// it), ring everywhere else.
-fn record_cipher() -> RecordCipher {
+/// Whether aws-lc uses its AVX-512 AES-GCM on this CPU (it checks for exactly these features),
+/// the one case where its records are faster than ring's.
+fn aws_lc_has_avx512_gcm() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512dq")
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("vaes")
             && std::arch::is_x86_feature_detected!("vpclmulqdq")
-        {
-            return RecordCipher::AwsLc;
-        }
     }
-    RecordCipher::Ring
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// ring's implementation of an AES-GCM suite, by its id; `None` for every other suite.
