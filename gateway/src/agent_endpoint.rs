@@ -17,6 +17,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tether_tunnel::protocol::{SUBPROTOCOL, TUNNEL_PATH};
+use tether_tunnel::session_threads::ThreadLoad;
 use tether_tunnel::ws_link::{WsLink, WsRole};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
@@ -43,6 +44,8 @@ pub struct ConnInfo {
     pub peer: SocketAddr,
     /// The TLS server name the client asked for, when the gateway terminated TLS.
     pub sni: Option<String>,
+    /// The connection's place in its session thread's count, held by the session it becomes.
+    pub load: Option<ThreadLoad>,
 }
 
 type HttpResponse = Response<Full<Bytes>>;
@@ -106,7 +109,11 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
 
     let peer = client_address(req.headers(), conn.peer, &endpoint.listen);
     let for_task = sessions.clone();
+    let load = conn.load.clone();
     sessions.lifecycle.spawn_session(async move {
+        // The session counts on its thread for as long as it runs, not only while its HTTP
+        // connection did.
+        let _load = load;
         let upgraded = match Box::pin(hyper::upgrade::on(req)).await {
             Ok(upgraded) => upgraded,
             Err(e) => {

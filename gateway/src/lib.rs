@@ -42,7 +42,6 @@ pub mod reload;
 pub mod router;
 pub mod server;
 pub mod session_life;
-pub mod session_threads;
 pub mod settings;
 pub mod target;
 pub mod tenant;

@@ -33,9 +33,9 @@ use crate::peer_endpoint::{self, PeerEndpoint};
 use crate::peers::PeerSet;
 use crate::proxy_protocol;
 use crate::reload::{ReloadError, ReloadSummary, Reloader};
-use crate::session_threads::SessionThreads;
 use crate::settings::{FrontendSettings, SessionSettings};
 use crate::tenant::{Tenant, TenantSet, Tenants};
+use tether_tunnel::session_threads::{SessionThreads, ThreadLoad};
 
 /// A gateway with its listeners bound, ready to [`run`](Gateway::run).
 pub struct Gateway {
@@ -426,7 +426,7 @@ async fn serve_agents(
         };
         let _ = stream.set_nodelay(true);
         let (tls, endpoint, admission) = (tls.clone(), endpoint.clone(), admission.clone());
-        let connection = move |mut stream: TcpStream| async move {
+        let connection = move |mut stream: TcpStream, load: Option<ThreadLoad>| async move {
             let mut peer = peer;
             let listen = &endpoint.listen;
             if listen.proxy_protocol {
@@ -468,7 +468,7 @@ async fn serve_agents(
                     }
                 },
             };
-            let conn = ConnInfo { peer, sni };
+            let conn = ConnInfo { peer, sni, load };
             let service = service_fn(move |req| agent_endpoint::handle(req, conn.clone(), endpoint.clone()));
             let served = http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -485,9 +485,9 @@ async fn serve_agents(
             }
         };
         match &threads {
-            Some(threads) => threads.serve(stream, peer, connection),
+            Some(threads) => threads.serve(stream, peer, move |stream, load| connection(stream, Some(load))),
             None => {
-                tokio::spawn(connection(stream));
+                tokio::spawn(connection(stream, None));
             }
         }
     }

@@ -3,8 +3,9 @@
 //! Layers, bottom up: [`transport`] (TCP or TLS), [`ws`] (WebSocket as a byte stream, with
 //! keepalive), [`mux`] (independent flow-controlled streams), [`protocol`] and [`framed`] (the
 //! frames that open each stream and the control messages), [`splice`] (moving bytes between a
-//! stream and a socket). [`client`] dials a gateway through all of them; [`tls`], [`backoff`],
-//! [`duration`], [`settings`] and [`telemetry`] are shared plumbing. No gateway or agent policy lives here.
+//! stream and a socket). [`client`] dials a gateway through all of them; [`session_threads`] gives
+//! sessions a thread each; [`tls`], [`backoff`], [`duration`], [`settings`] and [`telemetry`] are
+//! shared plumbing. No gateway or agent policy lives here.
 
 #![forbid(unsafe_code)]
 
@@ -18,6 +19,7 @@ pub mod jwt;
 pub mod mux;
 pub mod protocol;
 pub mod proxy;
+pub mod session_threads;
 pub mod settings;
 pub mod splice;
 pub mod telemetry;
