@@ -57,7 +57,8 @@ pub struct AgentConfig {
 /// session's bytes without handing every chunk to another thread: on the peer benchmark it cut
 /// context switches from about 8,800 to 800 per GB and CPU per GB by a fifth, with the same or more
 /// throughput (docs/benchmarks.md). It also keeps an agent on a 64-CPU node from starting 64
-/// threads. Bulk-heavy agents can raise it together with `gateway.pool.sessions_per_replica`.
+/// threads. Bulk-heavy agents raise `gateway.pool.sessions_per_replica` instead: with two or more
+/// sessions each runs on a session thread of its own.
 pub const DEFAULT_WORKER_THREADS: usize = 1;
 
 /// How to reach the gateway.
@@ -123,8 +124,9 @@ pub struct PoolConfig {
     #[serde(default)]
     pub mode: crate::connection::PoolMode,
     /// Sessions to each replica (mode `one`: in all), each its own TLS connection and driver
-    /// task, so the bulk traffic of many streams uses more than one core on each end. Dials are
-    /// spread over them; the gateway counts them as one agent.
+    /// task, so the bulk traffic of many streams uses more than one core on each end: with two or
+    /// more, each session runs on a thread of its own. Dials are spread over them; the gateway
+    /// counts them as one agent.
     #[serde(default = "defaults::sessions_per_replica")]
     pub sessions_per_replica: usize,
     /// Longest pause before dialing again after landing on a replica already held.

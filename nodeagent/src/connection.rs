@@ -16,6 +16,7 @@ use tether_tunnel::protocol::{
     ControlMessage, ControlOpen, Hello, Identifiers, Leaving, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION,
     StreamOpen, StreamResult, TokenRefresh, Welcome,
 };
+use tether_tunnel::session_threads::SessionThreads;
 use tokio::io::WriteHalf;
 
 use tokio::sync::{Notify, mpsc};
@@ -53,6 +54,9 @@ pub struct ConnectionContext {
     pub drain_reconnect_window: Duration,
     /// On stop: how long open streams may take to finish.
     pub shutdown_grace_period: Duration,
+    /// Threads the sessions run on, one session per thread as far as they go, when the agent
+    /// holds several sessions per replica; without them every session shares the runtime.
+    pub threads: Option<Arc<SessionThreads>>,
 }
 
 /// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
@@ -336,7 +340,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
         }
         ctx.state.dials.fetch_add(1, Ordering::Relaxed);
-        let delay = match establish(&ctx, token).await {
+        let delay = match establish_session(&ctx, token).await {
             Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
                 tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
@@ -420,10 +424,39 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     tasks.wait().await;
 }
 
-async fn establish(ctx: &ConnectionContext, token: String) -> Result<Established, EstablishError> {
+/// Dials a session: on a session thread of its own when the agent has them, there from its TCP
+/// connection to its end (with the streams it serves), otherwise on the runtime.
+async fn establish_session(ctx: &Arc<ConnectionContext>, token: String) -> Result<Established, EstablishError> {
+    let Some(threads) = &ctx.threads else {
+        return establish(ctx, token).await.map(|(established, _driver)| established);
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let on_thread = ctx.clone();
+    threads.spawn(async move {
+        match establish(&on_thread, token).await {
+            Ok((established, driver)) => {
+                if tx.send(Ok(established)).is_ok() {
+                    // The thread counts the session while its driver runs.
+                    let _ = driver.await;
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e));
+            }
+        }
+    });
+    rx.await.unwrap_or_else(|_| Err(EstablishError::Handshake("the session thread stopped".into())))
+}
+
+/// Dials a session on the current runtime; its driver runs as a task there (the handle is for
+/// waiting on it).
+async fn establish(
+    ctx: &ConnectionContext,
+    token: String,
+) -> Result<(Established, tokio::task::JoinHandle<()>), EstablishError> {
     let ws = client::connect(&ctx.client, Some(&token)).await?;
     let (session, incoming, driver) = mux::start(ws, Role::Client, &ctx.mux);
-    tokio::spawn(async move {
+    let driver = tokio::spawn(async move {
         if let Err(e) = driver.await {
             tracing::warn!(error = %e, "tunnel session to the gateway ended");
         }
@@ -450,7 +483,7 @@ async fn establish(ctx: &ConnectionContext, token: String) -> Result<Established
         }
     };
     match tokio::time::timeout(ctx.client.handshake_timeout, handshake).await {
-        Ok(Ok((control, welcome))) => Ok(Established { session, incoming, control, welcome, token }),
+        Ok(Ok((control, welcome))) => Ok((Established { session, incoming, control, welcome, token }, driver)),
         Ok(Err(e)) => {
             session.close();
             Err(EstablishError::Handshake(e))

@@ -54,6 +54,17 @@ pub struct ForwardContext {
     pub wait: Duration,
     /// Connection tasks (waited for at shutdown).
     pub tasks: TaskTracker,
+    /// Whether sessions run on threads of their own: a node-side socket then moves to its
+    /// session's thread, so that its bytes never pass between threads.
+    pub session_threads: bool,
+}
+
+/// A node-side socket on its way to its session's task.
+enum ClientSocket {
+    /// Registered with this runtime, which also runs the session.
+    Here(TcpStream),
+    /// Taken off this runtime, to be registered on the session's thread.
+    Moving(std::net::TcpStream),
 }
 
 /// Most bytes sent ahead of the gateway's answer.
@@ -186,7 +197,29 @@ async fn forward(
     to_cp.increment(early as u64);
     // On the session's own task: the bytes then pass between the client's socket and the tunnel
     // without a hand-over between tasks.
+    let client = if ctx.session_threads {
+        match client.into_std() {
+            Ok(client) => ClientSocket::Moving(client),
+            Err(e) => {
+                tracing::warn!(%target, %peer, error = %e, "node-side connection closed: cannot move it to its session's thread");
+                return;
+            }
+        }
+    } else {
+        ClientSocket::Here(client)
+    };
     session.spawn_local(ctx.tasks.track_future(async move {
+        // Registered with the I/O driver of the thread that runs the session's task.
+        let mut client = match client {
+            ClientSocket::Here(client) => client,
+            ClientSocket::Moving(client) => match TcpStream::from_std(client) {
+                Ok(client) => client,
+                Err(e) => {
+                    tracing::warn!(%target, %peer, error = %e, "node-side connection closed: cannot register its socket");
+                    return;
+                }
+            },
+        };
         let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
             Direction::AToB => to_cp.increment(n as u64),
             Direction::BToA => from_cp.increment(n as u64),
@@ -223,7 +256,8 @@ mod tests {
         let live = LiveSession::new(state.clone(), "gateway-0".into(), agent);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let ctx = ForwardContext { state, wait: Duration::from_secs(5), tasks: TaskTracker::new() };
+        let ctx =
+            ForwardContext { state, wait: Duration::from_secs(5), tasks: TaskTracker::new(), session_threads: false };
         let stop = CancellationToken::new();
         tokio::spawn(serve(ForwardListener::new(listener, "api", 8), ctx, stop.clone()));
         (addr, gateway_in, live, stop)

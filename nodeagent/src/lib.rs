@@ -23,6 +23,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tether_tunnel::client::ClientSettings;
 use tether_tunnel::mux::MuxSettings;
 use tether_tunnel::protocol::Identifiers;
+use tether_tunnel::session_threads::SessionThreads;
 use tether_tunnel::tls::{self, ALPN_HTTP11, ClientRoots};
 use tether_tunnel::ws::{KeepaliveSettings, WsSettings};
 use tokio::net::TcpListener;
@@ -93,6 +94,7 @@ impl Agent {
         if !hosts.iter().any(|h| h.eq_ignore_ascii_case(&agent_id)) {
             hosts.push(agent_id.clone());
         }
+        let threads = start_session_threads(gw.pool.sessions_per_replica);
         let context = Arc::new(ConnectionContext {
             client,
             token_file: gw.token_file.clone(),
@@ -112,6 +114,7 @@ impl Agent {
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
             drain_reconnect_window: gw.pool.drain_reconnect_window.0,
             shutdown_grace_period: config.shutdown_grace_period.0,
+            threads,
         });
         let admin = TcpListener::bind(config.admin_listen)
             .await
@@ -178,6 +181,7 @@ impl Agent {
             state: context.state.clone(),
             wait: forward_wait,
             tasks: context.tasks.clone(),
+            session_threads: context.threads.is_some(),
         };
         for listener in forward_listeners {
             tracing::info!(bind = ?listener.local_addr(), target = %listener.target, "forwarding node-side connections");
@@ -193,5 +197,21 @@ impl Agent {
         let _ = admin_task.await;
         tracing::info!("agent stopped");
         Ok(())
+    }
+}
+
+/// With several sessions per replica, a thread for each (they are meant to use several cores):
+/// every session runs on one, with the streams it carries. With one session per replica the agent
+/// has no threads besides its runtime's.
+fn start_session_threads(sessions_per_replica: usize) -> Option<Arc<SessionThreads>> {
+    if sessions_per_replica < 2 {
+        return None;
+    }
+    match SessionThreads::start(sessions_per_replica) {
+        Ok(threads) => Some(Arc::new(threads)),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start session threads; sessions share the runtime");
+            None
+        }
     }
 }

@@ -18,15 +18,17 @@ use crate::support::{echo_server, node_listener};
 
 /// A deployment whose single agent listens for `targets` (by name) and whose tenant allows `allowed`.
 async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<ForwardTarget>>) -> LocalDeployment {
-    deployment_with(tenant, listeners, allowed, 4096).await
+    deployment_with(tenant, listeners, allowed, 4096, 1).await
 }
 
-/// Like [`deployment`], each listener taking at most `max_connections` at once.
+/// Like [`deployment`], each listener taking at most `max_connections` at once, the agent holding
+/// `sessions` sessions to the gateway.
 async fn deployment_with(
     tenant: &str,
     listeners: &[&str],
     allowed: Option<Vec<ForwardTarget>>,
     max_connections: usize,
+    sessions: usize,
 ) -> LocalDeployment {
     let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
     let deployment = LocalDeployment::start(LocalOptions {
@@ -43,6 +45,7 @@ async fn deployment_with(
         })),
         tweak_agent: Some(Arc::new(move |_, config| {
             config.forward_wait = Duration::from_secs(10).into();
+            config.gateway.pool.sessions_per_replica = sessions;
             config.listeners = names
                 .iter()
                 .map(|name| ListenerConfig { max_connections, ..ListenerConfig::new(loopback(0), name.clone()) })
@@ -101,6 +104,55 @@ async fn forwarded_bytes_arrive_intact_both_ways_for_many_clients() {
             "tenant=\"fwd-bulk\",target=\"kube-apiserver\",result=\"ok\""
         ),
         201.0,
+        "{metrics}"
+    );
+    d.shutdown().await;
+}
+
+/// `pool.sessions_per_replica: 2`: the agent runs each session on a thread of its own and moves
+/// every node-side connection to its session's thread; the connections spread over both sessions
+/// and their bytes arrive intact both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
+    let control_plane = echo_server().await;
+    let d =
+        deployment_with("fwd-two", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 4096, 2)
+            .await;
+    let agent = &d.agents[0];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while agent.state.live_sessions() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the agent never held two sessions");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let listener = listener_for(&d, "kube-apiserver");
+    // Eight connections held open: four on each session (each also carries its control stream).
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let mut client = TcpStream::connect(listener).await.unwrap();
+        client.write_all(b"two").await.unwrap();
+        let mut got = [0u8; 3];
+        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got)).await.unwrap().unwrap();
+        assert_eq!(&got, b"two");
+        held.push(client);
+    }
+    let mut loads = agent.state.session_streams();
+    loads.sort_unstable();
+    assert_eq!(loads, vec![5, 5], "forwards spread over both sessions");
+    // Bulk and many clients at once, over both sessions.
+    let mut clients = vec![tokio::spawn(echo_checksummed(listener, 16 << 20, 1))];
+    clients.extend((0..100).map(|i| tokio::spawn(echo_checksummed(listener, fastrand::usize(1..200_000), i + 2))));
+    for client in clients {
+        client.await.unwrap();
+    }
+    drop(held);
+    let (_, metrics) = http_get(d.admin_addr, "/metrics").await.unwrap();
+    assert_eq!(
+        metric_sum(
+            &metrics,
+            "tether_gateway_forwards_total",
+            "tenant=\"fwd-two\",target=\"kube-apiserver\",result=\"ok\""
+        ),
+        109.0,
         "{metrics}"
     );
     d.shutdown().await;
@@ -241,8 +293,8 @@ async fn an_aborted_forwarded_connection_frees_both_sides() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_takes_at_most_its_max_connections() {
     let control_plane = echo_server().await;
-    let d =
-        deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2).await;
+    let d = deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2, 1)
+        .await;
     let listener = listener_for(&d, "kube-apiserver");
     let roundtrip = async |stream: &mut TcpStream| -> bool {
         let mut got = [0u8; 4];
