@@ -500,13 +500,7 @@ fn start_session_threads() -> Option<Arc<SessionThreads>> {
     if workers < 2 {
         return None;
     }
-    match SessionThreads::start(workers) {
-        Ok(threads) => Some(Arc::new(threads)),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start session threads; agent connections share the runtime's workers");
-            None
-        }
-    }
+    SessionThreads::start_shared(workers)
 }
 
 /// Binds a TCP listener with a deep backlog.

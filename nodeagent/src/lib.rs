@@ -207,11 +207,5 @@ fn start_session_threads(sessions_per_replica: usize) -> Option<Arc<SessionThrea
     if sessions_per_replica < 2 {
         return None;
     }
-    match SessionThreads::start(sessions_per_replica) {
-        Ok(threads) => Some(Arc::new(threads)),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot start session threads; sessions share the runtime");
-            None
-        }
-    }
+    SessionThreads::start_shared(sessions_per_replica)
 }

@@ -51,6 +51,18 @@ impl SessionThreads {
         Ok(Self { threads, stop })
     }
 
+    /// Starts `count` threads to share, or none when they cannot be created (logged): the
+    /// caller's sessions then share its runtime.
+    pub fn start_shared(count: usize) -> Option<Arc<Self>> {
+        match Self::start(count) {
+            Ok(threads) => Some(Arc::new(threads)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start session threads; sessions share the runtime");
+                None
+            }
+        }
+    }
+
     /// Serves an accepted connection with `serve` on the thread with the fewest tasks, its socket
     /// moved to that thread's I/O driver. A socket that cannot be moved is closed (logged).
     ///
