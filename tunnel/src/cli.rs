@@ -111,13 +111,17 @@ pub fn config_error(name: &str, error: &dyn Display) -> ExitCode {
 }
 
 /// Watches SIGTERM (kill, a service manager, Kubernetes) and Ctrl-C: the future it returns ends
-/// when either comes and logs which. Fails only if the SIGTERM handler cannot be installed.
+/// when either comes and logs which. Fails only if a handler cannot be installed.
 pub fn stop_signal() -> std::io::Result<impl Future<Output = ()>> {
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    use tokio::signal::unix::{SignalKind, signal};
+    // Both handlers are installed here, not when the future is first polled: a signal that
+    // arrives in between is caught rather than ending the process by its default action.
+    let mut terminate = signal(SignalKind::terminate())?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
     Ok(async move {
         tokio::select! {
             _ = terminate.recv() => tracing::info!("SIGTERM received"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
+            _ = interrupt.recv() => tracing::info!("interrupt received"),
         }
     })
 }

@@ -245,10 +245,12 @@ async fn run(cli: Cli) -> anyhow::Result<bool> {
         deployment.shutdown().await;
         return Ok(all_ok);
     }
-    println!("\nPress Ctrl-C to stop.");
     // Ctrl-C, or SIGTERM (`kill`, `timeout`, a service manager): either stops the deployment and
-    // removes its temporary credentials.
-    match tether_tunnel::cli::stop_signal() {
+    // removes its temporary credentials. The handlers are in place before the demo says it is
+    // ready, so a signal sent the moment it does is not the default action (no clean-up).
+    let stop = tether_tunnel::cli::stop_signal();
+    println!("\nPress Ctrl-C to stop.");
+    match stop {
         Ok(stop) => stop.await,
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
