@@ -307,7 +307,11 @@ async fn a_kube_apiserver_that_disconnects_mid_stream_frees_the_node_side() {
         })
         .await
     );
-    assert!(sockets_on_port(d.firehose.port()).is_empty(), "{:?}", sockets_on_port(d.firehose.port()));
+    assert!(
+        eventually(Duration::from_secs(5), async || sockets_on_port(d.firehose.port()).is_empty()).await,
+        "{:?}",
+        sockets_on_port(d.firehose.port())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,8 +84,8 @@ pub async fn firehose() -> (SocketAddr, std::sync::Arc<std::sync::atomic::Atomic
     (addr, open)
 }
 
-/// TCP sockets with local port `port` in any state but LISTEN, as `ss` sees them (CLOSE-WAIT
-/// and FIN-WAIT-2 included).
+/// TCP sockets with local port `port` in any state but LISTEN and TIME-WAIT, as `ss` sees them
+/// (CLOSE-WAIT and FIN-WAIT-2 included): connections some process still holds.
 pub fn sockets_on_port(port: u16) -> Vec<String> {
     let output = std::process::Command::new("ss")
         .args(["-Htan", "state", "all", &format!("( sport = :{port} )")])
@@ -93,7 +93,9 @@ pub fn sockets_on_port(port: u16) -> Vec<String> {
         .expect("ss (iproute2)");
     String::from_utf8_lossy(&output.stdout)
         .lines()
-        .filter(|line| !line.trim_start().starts_with("LISTEN"))
+        // A listener is not a connection, and a TIME-WAIT entry is a connection both ends have
+        // closed (the kernel keeps it for a while, no process holds it): neither is a leak.
+        .filter(|line| !line.trim_start().starts_with("LISTEN") && !line.trim_start().starts_with("TIME-WAIT"))
         .map(str::to_owned)
         .collect()
 }
