@@ -191,7 +191,6 @@ async fn forward(
     count("ok");
     metrics::histogram!(FORWARD_CONNECT_DURATION, "target" => label.clone()).record(started.elapsed().as_secs_f64());
     let open = metrics::gauge!(FORWARDS_OPEN, "target" => label.clone());
-    open.increment(1.0);
     let to_cp = metrics::counter!(FORWARD_BYTES, "target" => label.clone(), "direction" => "to_controlplane");
     let from_cp = metrics::counter!(FORWARD_BYTES, "target" => label, "direction" => "from_controlplane");
     to_cp.increment(early as u64);
@@ -220,6 +219,7 @@ async fn forward(
                 }
             },
         };
+        open.increment(1.0);
         let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
             Direction::AToB => to_cp.increment(n as u64),
             Direction::BToA => from_cp.increment(n as u64),
