@@ -87,17 +87,22 @@ pub async fn firehose() -> (SocketAddr, std::sync::Arc<std::sync::atomic::Atomic
 /// TCP sockets with local port `port` in any state but LISTEN and TIME-WAIT, as `ss` sees them
 /// (CLOSE-WAIT and FIN-WAIT-2 included): connections some process still holds.
 pub fn sockets_on_port(port: u16) -> Vec<String> {
+    // A listener is not a connection, and a TIME-WAIT entry is a connection both ends have closed
+    // (the kernel keeps it for a while, no process holds it): neither is a leak.
     let output = std::process::Command::new("ss")
-        .args(["-Htan", "state", "all", &format!("( sport = :{port} )")])
+        .args([
+            "-Htan",
+            "state",
+            "all",
+            "exclude",
+            "listening",
+            "exclude",
+            "time-wait",
+            &format!("( sport = :{port} )"),
+        ])
         .output()
         .expect("ss (iproute2)");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        // A listener is not a connection, and a TIME-WAIT entry is a connection both ends have
-        // closed (the kernel keeps it for a while, no process holds it): neither is a leak.
-        .filter(|line| !line.trim_start().starts_with("LISTEN") && !line.trim_start().starts_with("TIME-WAIT"))
-        .map(str::to_owned)
-        .collect()
+    String::from_utf8_lossy(&output.stdout).lines().map(str::to_owned).collect()
 }
 
 /// Reads some of an endless answer through `stream`, then goes away without reading the rest,
