@@ -317,10 +317,20 @@ async fn a_kube_apiserver_that_disconnects_mid_stream_frees_the_node_side() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_grpc_dials_are_all_served() {
     let d = start(serde_json::json!({ "max_pending_dials": 2000 })).await;
-    let report = d.uds_client().run(&["many", &d.node.to_string(), "1000"]).await;
-    assert_eq!(report["dialed"], 1000, "{report}");
+    // Each dial and exchange has 60 s: one never answered shows up in the report with its stage.
+    let report = d.uds_client().run(&["many", &d.node.to_string(), "1000", "--deadline", "60"]).await;
+    if report["dialed"] != 1000 || report["answered"] != 1000 {
+        // Which side holds what the client waits for.
+        let keep = |text: String| {
+            text.lines()
+                .filter(|l| !l.starts_with('#') && (l.contains("stream") || l.contains("dial")))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let (g, a) = (keep(d.gateway_metrics().await), keep(d.agent_metrics().await));
+        panic!("{report}\ngateway:\n{g}\nagent:\n{a}");
+    }
     assert_eq!(report["distinct_connect_ids"], 1000, "{report}");
-    assert_eq!(report["answered"], 1000, "{report}");
     assert!(
         eventually(Duration::from_secs(10), async || {
             metric_sum(&d.gateway_metrics().await, "tether_gateway_streams_open", "") == 0.0
