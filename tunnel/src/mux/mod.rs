@@ -174,6 +174,12 @@ impl Session {
         self.shared.open_streams.load(Ordering::Relaxed)
     }
 
+    /// Bytes the session has written to and read from its link so far (frames and their
+    /// headers): sampled to tell a busy session from a quiet one.
+    pub fn link_bytes(&self) -> u64 {
+        self.shared.link_bytes.load(Ordering::Relaxed)
+    }
+
     /// Runs `task` on the session's own task, beside the driver: for the work of one of its
     /// streams (a splice between the stream and a socket). The stream's bytes then pass between
     /// the socket and the link without a hand-over between tasks, which on a multi-threaded
@@ -253,6 +259,7 @@ pub fn start<L: Link>(link: L, role: Role, settings: &MuxSettings) -> (Session, 
         max_streams: settings.max_streams.max(1),
         split_send_size: settings.split_send_size.clamp(1024, MAX_BODY as usize),
         rtt_micros: std::sync::atomic::AtomicU64::new(0),
+        link_bytes: std::sync::atomic::AtomicU64::new(0),
     });
     let session = Session { shared: shared.clone() };
     let local_wake = Arc::new(LocalWake {
@@ -308,6 +315,8 @@ struct SessionShared {
     split_send_size: usize,
     /// The round trip last measured with a ping, in microseconds (0 until measured).
     rtt_micros: std::sync::atomic::AtomicU64,
+    /// Bytes written to and read from the link ([`Session::link_bytes`]).
+    link_bytes: std::sync::atomic::AtomicU64,
 }
 
 impl SessionShared {
@@ -998,6 +1007,7 @@ impl<L: Link> SessionDriver<L> {
                     Poll::Ready(Some(Ok(chunk))) => {
                         self.link_wake.readable.store(true, Ordering::SeqCst);
                         received = true;
+                        self.shared.link_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                         if let Err(e) = self.on_chunk(chunk) {
                             tracing::info!(error = %e, "closing the tunnel session");
                             self.begin_close(GoAway::ProtocolError);
@@ -1094,6 +1104,7 @@ impl<L: Link> SessionDriver<L> {
             let Some(batch) = self.pending.take() else { break };
             match self.link.poll_ready(link_cx) {
                 Poll::Ready(Ok(())) => {
+                    self.shared.link_bytes.fetch_add(batch.len() as u64, Ordering::Relaxed);
                     self.link.start_send(batch)?;
                     self.needs_flush = true;
                 }
