@@ -57,8 +57,8 @@ pub struct AgentConfig {
 /// session's bytes without handing every chunk to another thread: on the peer benchmark it cut
 /// context switches from about 8,800 to 800 per GB and CPU per GB by a fifth, with the same or more
 /// throughput (docs/benchmarks.md). It also keeps an agent on a 64-CPU node from starting 64
-/// threads. Bulk-heavy agents raise `gateway.pool.sessions_per_replica` instead: with two or more
-/// sessions each runs on a session thread of its own.
+/// threads. Bulk traffic of many streams goes over several sessions instead (while busy,
+/// `gateway.pool.busy_sessions_per_replica`), each on a session thread of its own.
 pub const DEFAULT_WORKER_THREADS: usize = 1;
 
 /// How to reach the gateway.
@@ -129,6 +129,23 @@ pub struct PoolConfig {
     /// counts them as one agent.
     #[serde(default = "defaults::sessions_per_replica")]
     pub sessions_per_replica: usize,
+    /// Sessions to each replica while the agent is busy: its sessions together move
+    /// `busy_mib_per_second` or more, and until `busy_linger` after they last did. The extra ones
+    /// are dialed when the agent becomes busy and retired when it is quiet again (gracefully: the
+    /// gateway routes nothing new to them, and the streams still on them finish). Streams opened
+    /// while busy spread over all of them, so bulk traffic of many streams uses several TCP
+    /// connections and the cores on both ends, while an agent that is idle or carries small
+    /// requests holds only `sessions_per_replica`. Never fewer than `sessions_per_replica`; set it
+    /// to `sessions_per_replica` to hold a fixed number.
+    #[serde(default = "defaults::busy_sessions_per_replica")]
+    pub busy_sessions_per_replica: usize,
+    /// The traffic (MiB per second, both directions, all sessions together, sampled every half
+    /// second) at which the agent counts as busy.
+    #[serde(default = "defaults::busy_mib_per_second")]
+    pub busy_mib_per_second: u64,
+    /// How long the agent stays busy after its traffic last reached `busy_mib_per_second`.
+    #[serde(default = "defaults::busy_linger")]
+    pub busy_linger: HumanDuration,
     /// Longest pause before dialing again after landing on a replica already held.
     #[serde(default = "defaults::duplicate_retry_max")]
     pub duplicate_retry_max: HumanDuration,
@@ -139,11 +156,22 @@ pub struct PoolConfig {
     pub drain_reconnect_window: HumanDuration,
 }
 
+impl PoolConfig {
+    /// Sessions to each replica while busy: `busy_sessions_per_replica`, never fewer than
+    /// `sessions_per_replica`.
+    pub fn busy_sessions(&self) -> usize {
+        self.busy_sessions_per_replica.max(self.sessions_per_replica)
+    }
+}
+
 impl Default for PoolConfig {
     fn default() -> Self {
         Self {
             mode: Default::default(),
             sessions_per_replica: defaults::sessions_per_replica(),
+            busy_sessions_per_replica: defaults::busy_sessions_per_replica(),
+            busy_mib_per_second: defaults::busy_mib_per_second(),
+            busy_linger: defaults::busy_linger(),
             duplicate_retry_max: defaults::duplicate_retry_max(),
             drain_reconnect_window: defaults::drain_reconnect_window(),
         }
@@ -280,6 +308,15 @@ mod defaults {
     pub fn sessions_per_replica() -> usize {
         1
     }
+    pub fn busy_sessions_per_replica() -> usize {
+        2
+    }
+    pub fn busy_mib_per_second() -> u64 {
+        64
+    }
+    pub fn busy_linger() -> HumanDuration {
+        Duration::from_secs(60).into()
+    }
     pub fn duplicate_retry_max() -> HumanDuration {
         Duration::from_secs(2).into()
     }
@@ -356,6 +393,14 @@ impl AgentConfig {
             problems.push(format!(
                 "gateway.pool.sessions_per_replica: must be 1-{MAX_SESSIONS_PER_REPLICA} (more sessions than cores gain nothing)"
             ));
+        }
+        if !(1..=MAX_SESSIONS_PER_REPLICA).contains(&gw.pool.busy_sessions_per_replica) {
+            problems.push(format!(
+                "gateway.pool.busy_sessions_per_replica: must be 1-{MAX_SESSIONS_PER_REPLICA} (more sessions than cores gain nothing)"
+            ));
+        }
+        if gw.pool.busy_mib_per_second == 0 {
+            problems.push("gateway.pool.busy_mib_per_second: must be at least 1".into());
         }
         if gw.reconnect_initial.0.is_zero() || gw.reconnect_max.0 < gw.reconnect_initial.0 {
             problems

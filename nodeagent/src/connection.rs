@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::dialer::{DialPolicy, serve_stream};
-use crate::metrics::{CONNECTS, DRAINS, SESSIONS, TOKEN_EXPIRY, TOKEN_REFRESHES, TOKEN_USABLE};
+use crate::metrics::{BUSY, CONNECTS, DRAINS, SESSIONS, TOKEN_EXPIRY, TOKEN_REFRESHES, TOKEN_USABLE};
 
 /// Everything a connection needs, fixed for the agent's life.
 pub struct ConnectionContext {
@@ -52,10 +52,13 @@ pub struct ConnectionContext {
     pub duplicate_retry_max: Duration,
     /// Longest random pause before dialing again after a drain message.
     pub drain_reconnect_window: Duration,
+    /// How long the agent holds its busy sessions after its traffic was last at the busy rate.
+    pub busy_linger: Duration,
     /// On stop: how long open streams may take to finish.
     pub shutdown_grace_period: Duration,
     /// Threads the sessions run on, one session per thread as far as they go, when the agent
-    /// holds several sessions per replica; without them every session shares the runtime.
+    /// holds several sessions per replica (always or while busy); without them every session
+    /// shares the runtime.
     pub threads: Option<Arc<SessionThreads>>,
 }
 
@@ -81,7 +84,27 @@ pub struct AgentState {
     mode: PoolMode,
     /// Sessions kept to each replica (at least one).
     per_replica: usize,
+    /// Sessions kept to each replica while busy (at least `per_replica`).
+    busy_per_replica: usize,
+    /// Bytes per second over all sessions at which the agent counts as busy.
+    busy_rate: u64,
+    /// Set when the sessions' traffic reaches `busy_rate`; cleared after `busy_linger` below it.
+    busy: AtomicBool,
+    /// The traffic sampler's last reading.
+    traffic: Mutex<TrafficSample>,
 }
+
+/// What the traffic sampler saw last.
+#[derive(Default)]
+struct TrafficSample {
+    /// When, and the sessions' link bytes then.
+    at: Option<(tokio::time::Instant, u64)>,
+    /// The last time the traffic was at the busy rate.
+    hot_at: Option<tokio::time::Instant>,
+}
+
+/// How often the traffic of the sessions is sampled (while busy sessions are configured).
+const TRAFFIC_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
 
 /// How many gateway replicas the agent keeps sessions to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -98,12 +121,103 @@ struct LiveEntry {
     id: u64,
     server_id: String,
     session: Session,
+    /// Cancelled when the session is no longer wanted (the agent is quiet again).
+    retire: CancellationToken,
+    /// The session runs on a session thread, not on the agent's runtime.
+    on_thread: bool,
+}
+
+/// A live session picked to carry a stream.
+pub struct Picked {
+    /// The session.
+    pub session: Session,
+    /// It runs on a session thread of its own: a node-side socket moves there.
+    pub on_thread: bool,
 }
 
 impl AgentState {
-    /// State for an agent keeping sessions per `mode`, `per_replica` to each replica.
-    pub fn new(mode: PoolMode, per_replica: usize) -> Self {
-        Self { mode, per_replica: per_replica.max(1), ..Self::default() }
+    /// State for an agent keeping sessions per `mode`: `per_replica` to each replica, and
+    /// `busy_per_replica` while its sessions move `busy_rate` bytes per second or more.
+    pub fn new(mode: PoolMode, per_replica: usize, busy_per_replica: usize, busy_rate: u64) -> Self {
+        let per_replica = per_replica.max(1);
+        Self {
+            mode,
+            per_replica,
+            busy_per_replica: busy_per_replica.max(per_replica),
+            busy_rate: busy_rate.max(1),
+            ..Self::default()
+        }
+    }
+
+    /// Whether the agent ever holds more sessions when busy than when quiet.
+    fn has_busy_sessions(&self) -> bool {
+        self.busy_per_replica > self.per_replica
+    }
+
+    /// Reads the sessions' traffic since the last sample. At the busy rate the agent becomes busy
+    /// (and the supervisor is woken to dial the busy sessions); after `linger` below it, quiet
+    /// again, and the sessions beyond `per_replica` are told to retire. Returns how many were.
+    fn sample_traffic(&self, linger: Duration) -> usize {
+        let now = tokio::time::Instant::now();
+        let bytes: u64 = self.live.lock().map(|l| l.iter().map(|e| e.session.link_bytes()).sum()).unwrap_or(0);
+        let Ok(mut sample) = self.traffic.lock() else { return 0 };
+        let previous = sample.at.replace((now, bytes));
+        if let Some((then, before)) = previous {
+            // A session that ended takes its bytes with it: that interval reads as quiet.
+            let moved = bytes.saturating_sub(before) as f64;
+            let seconds = now.duration_since(then).as_secs_f64();
+            if seconds > 0.0 && moved / seconds >= self.busy_rate as f64 {
+                sample.hot_at = Some(now);
+                if !self.busy.swap(true, Ordering::Relaxed) {
+                    metrics::gauge!(BUSY).set(1.0);
+                    tracing::debug!(mib_per_second = moved / seconds / 1048576.0, "busy: dialing the busy sessions");
+                    self.changed.notify_waiters();
+                }
+                return 0;
+            }
+        }
+        let quiet_long_enough = sample.hot_at.is_none_or(|hot| now.duration_since(hot) >= linger);
+        if !self.is_busy() || !quiet_long_enough {
+            return 0;
+        }
+        drop(sample);
+        self.busy.store(false, Ordering::Relaxed);
+        metrics::gauge!(BUSY).set(0.0);
+        self.retire_surplus()
+    }
+
+    /// Whether the agent counts as busy (holding `busy_per_replica` sessions to each replica).
+    pub fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Relaxed)
+    }
+
+    /// Sessions wanted to each replica now.
+    fn target_per_replica(&self) -> usize {
+        if self.is_busy() { self.busy_per_replica } else { self.per_replica }
+    }
+
+    /// Tells the sessions beyond `per_replica` (to each replica, or in all in mode `one`) to
+    /// retire, keeping the oldest. Returns how many were.
+    fn retire_surplus(&self) -> usize {
+        let Ok(live) = self.live.lock() else { return 0 };
+        let mut entries: Vec<&LiveEntry> = live.iter().filter(|e| !e.retire.is_cancelled()).collect();
+        entries.sort_by_key(|e| e.id);
+        let mut kept: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut retired = 0;
+        for entry in entries {
+            let group = match self.mode {
+                PoolMode::All => entry.server_id.as_str(),
+                PoolMode::One => "",
+            };
+            let held = kept.entry(group).or_default();
+            if *held < self.per_replica {
+                *held += 1;
+            } else {
+                entry.retire.cancel();
+                retired += 1;
+            }
+        }
+        retired
     }
 
     /// Ready: a session to every known replica (pool mode `all`) or to one (mode `one`).
@@ -118,14 +232,17 @@ impl AgentState {
         ids.iter().collect::<std::collections::HashSet<_>>().len()
     }
 
-    /// Live sessions to `server_id`.
+    /// Live sessions to `server_id` (not retiring).
     fn sessions_to(&self, server_id: &str) -> usize {
-        self.live.lock().map(|l| l.iter().filter(|e| e.server_id == server_id).count()).unwrap_or_default()
+        self.live
+            .lock()
+            .map(|l| l.iter().filter(|e| e.server_id == server_id && !e.retire.is_cancelled()).count())
+            .unwrap_or_default()
     }
 
-    /// Sessions that are up and not draining.
+    /// Sessions that are up and not draining or retiring.
     pub fn live_sessions(&self) -> usize {
-        self.live.lock().map(|l| l.len()).unwrap_or_default()
+        self.live.lock().map(|l| l.iter().filter(|e| !e.retire.is_cancelled()).count()).unwrap_or_default()
     }
 
     /// The last connection error, for `/readyz`.
@@ -161,9 +278,10 @@ impl AgentState {
         }
     }
 
-    /// Sessions the agent wants in all: `per_replica` to each wanted replica.
+    /// Sessions the agent wants in all: `per_replica` to each wanted replica, or
+    /// `busy_per_replica` while busy.
     pub fn wanted_sessions(&self) -> usize {
-        self.wanted_replicas() * self.per_replica
+        self.wanted_replicas() * self.target_per_replica()
     }
 
     /// Whether a new session to `server_id` would be one too many: that replica already has its
@@ -171,8 +289,8 @@ impl AgentState {
     /// sessions may land on any replicas).
     fn is_surplus(&self, server_id: &str) -> bool {
         match self.mode {
-            PoolMode::All => self.sessions_to(server_id) >= self.per_replica,
-            PoolMode::One => self.live_sessions() >= self.per_replica,
+            PoolMode::All => self.sessions_to(server_id) >= self.target_per_replica(),
+            PoolMode::One => self.live_sessions() >= self.target_per_replica(),
         }
     }
 
@@ -214,16 +332,23 @@ impl AgentState {
     }
 
     /// The live session with the fewest open streams (any replica will do for a forward).
-    pub fn pick_session(&self) -> Option<Session> {
+    pub fn pick_session(&self) -> Option<Picked> {
         let live = self.live.lock().ok()?;
         live.iter()
-            .filter(|e| !e.session.is_closed())
+            .filter(|e| !e.session.is_closed() && !e.retire.is_cancelled())
             .min_by_key(|e| e.session.open_streams())
-            .map(|e| e.session.clone())
+            .map(|e| Picked { session: e.session.clone(), on_thread: e.on_thread })
+    }
+
+    /// Whether the next session belongs on a session thread: with several sessions held to each
+    /// replica, all do; otherwise the held ones run on the agent's runtime (where a quiet agent's
+    /// work stays on one thread) and only the busy ones beyond them on threads.
+    fn next_on_thread(&self) -> bool {
+        self.per_replica > 1 || self.live_sessions() >= self.wanted_replicas()
     }
 
     /// A live session, waiting up to `timeout` for one to come up.
-    pub async fn wait_for_session(&self, timeout: Duration) -> Option<Session> {
+    pub async fn wait_for_session(&self, timeout: Duration) -> Option<Picked> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let added = self.session_added.notified();
@@ -280,6 +405,8 @@ enum SessionEnd {
     Drained(Duration),
     Lost(String),
     Stopped,
+    /// A busy session no longer needed: told the gateway, its last streams finish on their own.
+    Retired,
 }
 
 /// Keeps sessions to the gateway until `stop` is cancelled: one to every replica the gateway
@@ -294,6 +421,9 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     // Re-reading a token file that holds no usable token: never dial with it.
     let mut token_wait = Backoff::new(initial, max);
     let tasks = TaskTracker::new();
+    if ctx.state.has_busy_sessions() {
+        tasks.spawn(sample_traffic(ctx.clone(), stop.clone()));
+    }
     loop {
         if stop.is_cancelled() {
             break;
@@ -340,7 +470,8 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
         }
         ctx.state.dials.fetch_add(1, Ordering::Relaxed);
-        let delay = match establish_session(&ctx, token).await {
+        let on_thread = ctx.threads.is_some() && ctx.state.next_on_thread();
+        let delay = match establish_session(&ctx, token, on_thread).await {
             Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
                 tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
@@ -356,11 +487,13 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                     ctx.state.clone(),
                     established.welcome.server_id.clone(),
                     established.session.clone(),
+                    on_thread,
                 );
+                let retire = live.retire.clone();
                 let (ctx, stop) = (ctx.clone(), stop.clone());
                 tasks.spawn(async move {
-                    match run_session(&ctx, established, &stop).await {
-                        SessionEnd::Stopped => {}
+                    match run_session(&ctx, established, &stop, &retire).await {
+                        SessionEnd::Stopped | SessionEnd::Retired => {}
                         SessionEnd::Drained(deadline) if ctx.state.live_sessions() > 1 => {
                             // Spread the drained replica's agents over a window (at most half
                             // the drain deadline, so they have moved before it ends). Only while
@@ -424,10 +557,31 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
     tasks.wait().await;
 }
 
-/// Dials a session: on a session thread of its own when the agent has them, there from its TCP
-/// connection to its end (with the streams it serves), otherwise on the runtime.
-async fn establish_session(ctx: &Arc<ConnectionContext>, token: String) -> Result<Established, EstablishError> {
-    let Some(threads) = &ctx.threads else {
+/// Samples the sessions' traffic until `stop`: it decides when the agent is busy and holds its
+/// busy sessions, and when it is quiet again.
+async fn sample_traffic(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(TRAFFIC_SAMPLE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+        let retired = ctx.state.sample_traffic(ctx.busy_linger);
+        if retired > 0 {
+            tracing::debug!(retired, "quiet for the busy linger; closing the busy sessions");
+        }
+    }
+}
+
+/// Dials a session: `on_thread`, on a session thread of its own, there from its TCP connection to
+/// its end (with the streams it serves), otherwise on the runtime.
+async fn establish_session(
+    ctx: &Arc<ConnectionContext>,
+    token: String,
+    on_thread: bool,
+) -> Result<Established, EstablishError> {
+    let Some(threads) = ctx.threads.as_ref().filter(|_| on_thread) else {
         return establish(ctx, token).await.map(|(established, _driver)| established);
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -495,7 +649,12 @@ async fn establish(
     }
 }
 
-async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, stop: &CancellationToken) -> SessionEnd {
+async fn run_session(
+    ctx: &Arc<ConnectionContext>,
+    established: Established,
+    stop: &CancellationToken,
+    retire: &CancellationToken,
+) -> SessionEnd {
     let Established { session, mut incoming, control, welcome, mut token } = established;
     metrics::counter!(CONNECTS, "result" => "ok").increment(1);
     tracing::info!(server = %welcome.server_id, agent_id = %welcome.agent_id, servers = welcome.server_count, "connected to the gateway");
@@ -582,6 +741,33 @@ async fn run_session(ctx: &Arc<ConnectionContext>, established: Established, sto
                     Err(e) => tracing::warn!(error = %e, "cannot re-read the token file; keeping the current token"),
                 }
             }
+            () = retire.cancelled() => {
+                // The gateway routes nothing new here once it has read this; a dial it sent
+                // before is still served, and the session closes when its streams are done
+                // (long-lived ones, a watch say, keep it until they end or the agent stops).
+                let leaving = ControlMessage::Leaving(Leaving {
+                    deadline_ms: u64::try_from(RETIRE_GRACE.as_millis()).unwrap_or(u64::MAX),
+                    reason: "the agent is quiet again; closing a busy session".into(),
+                });
+                if send(&mut control_write, &leaving).await.is_err() {
+                    break SessionEnd::Retired;
+                }
+                tracing::debug!(server = %welcome.server_id, open_streams = session.open_streams().saturating_sub(1), "closing a busy session: quiet for the busy linger");
+                let control = (control_write, reader, messages);
+                let (ctx, stop, session) = (ctx.clone(), stop.clone(), session.clone());
+                tokio::spawn(async move {
+                    let grace = ctx.shutdown_grace_period;
+                    let stopping = async {
+                        stop.cancelled().await;
+                        tokio::time::sleep(grace).await;
+                    };
+                    tokio::select! {
+                        () = finish_draining(session.clone(), incoming, control, ctx, RETIRE_GRACE) => {}
+                        () = stopping => session.close(),
+                    }
+                });
+                return SessionEnd::Retired;
+            }
             () = stop.cancelled() => {
                 let grace = ctx.shutdown_grace_period;
                 let leaving = ControlMessage::Leaving(Leaving {
@@ -650,6 +836,9 @@ async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Re
     write_frame(writer, message, MAX_CONTROL_FRAME).await
 }
 
+/// Longest a retiring busy session stays for the streams it still carries.
+const RETIRE_GRACE: Duration = Duration::from_secs(3600);
+
 /// A token with less than this left is not presented (the session would end almost at once).
 const TOKEN_MIN_REMAINING: Duration = Duration::from_secs(2);
 
@@ -704,18 +893,21 @@ fn note_token_expiry(token: &str) {
 pub(crate) struct LiveSession {
     state: Arc<AgentState>,
     id: u64,
+    /// Cancelled when the agent no longer wants this session (a busy spell ended).
+    pub(crate) retire: CancellationToken,
 }
 
 impl LiveSession {
-    pub(crate) fn new(state: Arc<AgentState>, server_id: String, session: Session) -> Self {
+    pub(crate) fn new(state: Arc<AgentState>, server_id: String, session: Session, on_thread: bool) -> Self {
         let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+        let retire = CancellationToken::new();
         if let Ok(mut live) = state.live.lock() {
-            live.push(LiveEntry { id, server_id, session });
+            live.push(LiveEntry { id, server_id, session, retire: retire.clone(), on_thread });
         }
         state.session_added.notify_waiters();
         state.changed.notify_waiters();
         metrics::gauge!(SESSIONS).increment(1.0);
-        Self { state, id }
+        Self { state, id, retire }
     }
 }
 

@@ -54,9 +54,6 @@ pub struct ForwardContext {
     pub wait: Duration,
     /// Connection tasks (waited for at shutdown).
     pub tasks: TaskTracker,
-    /// Whether sessions run on threads of their own: a node-side socket then moves to its
-    /// session's thread, so that its bytes never pass between threads.
-    pub session_threads: bool,
 }
 
 /// A node-side socket on its way to its session's task.
@@ -147,13 +144,14 @@ async fn forward(
     // the gateway answers is retried on the next live session until the wait is over.
     let deadline = tokio::time::Instant::now() + ctx.wait;
     let mut early = 0;
-    let (mut stream, session) = loop {
+    let (mut stream, picked) = loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let Some(session) = ctx.state.wait_for_session(left).await else {
+        let Some(picked) = ctx.state.wait_for_session(left).await else {
             count("no_session");
             tracing::warn!(%target, %peer, wait_ms = ctx.wait.as_millis() as u64, "no session to the gateway; closing the node-side connection");
             return;
         };
+        let session = &picked.session;
         let opened = async {
             let mut stream = session.open().await.map_err(|e| ("tunnel_error", e.to_string()))?;
             let request = StreamOpen::Forward(ForwardRequest { target: target.to_string() });
@@ -169,7 +167,7 @@ async fn forward(
             }
         };
         match tokio::time::timeout(ctx.wait + Duration::from_secs(10), opened).await {
-            Ok(Ok(stream)) => break (stream, session),
+            Ok(Ok(stream)) => break (stream, picked),
             // Bytes already taken from the client cannot be sent again on another session.
             Ok(Err(("tunnel_error", reason))) if early == 0 && tokio::time::Instant::now() < deadline => {
                 tracing::debug!(%target, %peer, %reason, "session broke before the gateway answered; retrying");
@@ -196,7 +194,7 @@ async fn forward(
     to_cp.increment(early as u64);
     // On the session's own task: the bytes then pass between the client's socket and the tunnel
     // without a hand-over between tasks.
-    let client = if ctx.session_threads {
+    let client = if picked.on_thread {
         match client.into_std() {
             Ok(client) => ClientSocket::Moving(client),
             Err(e) => {
@@ -207,7 +205,7 @@ async fn forward(
     } else {
         ClientSocket::Here(client)
     };
-    session.spawn_local(ctx.tasks.track_future(async move {
+    picked.session.spawn_local(ctx.tasks.track_future(async move {
         // Registered with the I/O driver of the thread that runs the session's task.
         let mut client = match client {
             ClientSocket::Here(client) => client,
@@ -252,12 +250,11 @@ mod tests {
             mux::start(ByteLink::new(b), Role::Server, &MuxSettings::default());
         tokio::spawn(agent_driver);
         tokio::spawn(gateway_driver);
-        let state = Arc::new(AgentState::new(PoolMode::All, 1));
-        let live = LiveSession::new(state.clone(), "gateway-0".into(), agent);
+        let state = Arc::new(AgentState::new(PoolMode::All, 1, 1, u64::MAX));
+        let live = LiveSession::new(state.clone(), "gateway-0".into(), agent, false);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let ctx =
-            ForwardContext { state, wait: Duration::from_secs(5), tasks: TaskTracker::new(), session_threads: false };
+        let ctx = ForwardContext { state, wait: Duration::from_secs(5), tasks: TaskTracker::new() };
         let stop = CancellationToken::new();
         tokio::spawn(serve(ForwardListener::new(listener, "api", 8), ctx, stop.clone()));
         (addr, gateway_in, live, stop)

@@ -94,7 +94,7 @@ impl Agent {
         if !hosts.iter().any(|h| h.eq_ignore_ascii_case(&agent_id)) {
             hosts.push(agent_id.clone());
         }
-        let threads = start_session_threads(gw.pool.sessions_per_replica);
+        let threads = start_session_threads(gw.pool.busy_sessions());
         let context = Arc::new(ConnectionContext {
             client,
             token_file: gw.token_file.clone(),
@@ -109,7 +109,13 @@ impl Agent {
             reconnect: (gw.reconnect_initial.0, gw.reconnect_max.0),
             mux: MuxSettings { window_growth: gw.window_growth_mib << 20, ..MuxSettings::default() },
             policy: Arc::new(DialPolicy { allow, max_timeout: config.dial_timeout.0 }),
-            state: Arc::new(AgentState::new(gw.pool.mode, gw.pool.sessions_per_replica)),
+            state: Arc::new(AgentState::new(
+                gw.pool.mode,
+                gw.pool.sessions_per_replica,
+                gw.pool.busy_sessions(),
+                gw.pool.busy_mib_per_second.saturating_mul(1 << 20),
+            )),
+            busy_linger: gw.pool.busy_linger.0,
             tasks: TaskTracker::new(),
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
             drain_reconnect_window: gw.pool.drain_reconnect_window.0,
@@ -181,7 +187,6 @@ impl Agent {
             state: context.state.clone(),
             wait: forward_wait,
             tasks: context.tasks.clone(),
-            session_threads: context.threads.is_some(),
         };
         for listener in forward_listeners {
             tracing::info!(bind = ?listener.local_addr(), target = %listener.target, "forwarding node-side connections");
@@ -200,9 +205,9 @@ impl Agent {
     }
 }
 
-/// With several sessions per replica, a thread for each (they are meant to use several cores):
-/// every session runs on one, with the streams it carries. With one session per replica the agent
-/// has no threads besides its runtime's.
+/// With several sessions per replica (held always or while busy), a thread for each (they are
+/// meant to use several cores): every session runs on one, with the streams it carries. With one
+/// session per replica the agent has no threads besides its runtime's.
 fn start_session_threads(sessions_per_replica: usize) -> Option<Arc<SessionThreads>> {
     if sessions_per_replica < 2 {
         return None;

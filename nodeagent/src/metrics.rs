@@ -2,6 +2,9 @@
 
 /// Live sessions to gateway replicas.
 pub const SESSIONS: &str = "tether_agent_sessions";
+/// 1 while the agent is busy (its sessions move `pool.busy_mib_per_second` or more, or did within
+/// `pool.busy_linger`): it then holds `pool.busy_sessions_per_replica` sessions to each replica.
+pub const BUSY: &str = "tether_agent_busy";
 /// Connection attempts by result.
 pub const CONNECTS: &str = "tether_agent_connects_total";
 /// Dials served by result.
@@ -40,6 +43,10 @@ pub const FORWARD_CONNECT_DURATION: &str = "tether_agent_forward_connect_duratio
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_gauge!(SESSIONS, "Live sessions to gateway replicas.");
+    describe_gauge!(
+        BUSY,
+        "1 while the agent is busy (traffic at the busy rate, or within the busy linger) and holds its busy sessions."
+    );
     describe_gauge!(RUNTIME_TASKS, "Tasks alive on the runtime, read at each scrape.");
     describe_gauge!(RUNTIME_WORKERS, "Worker threads of the runtime.");
     describe_counter!(CONNECTS, "Connection attempts to the gateway by result.");
@@ -60,4 +67,5 @@ pub fn describe() {
         "Time from a node-side connection to the gateway's answer."
     );
     metrics::gauge!(SESSIONS).set(0.0);
+    metrics::gauge!(BUSY).set(0.0);
 }

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_agent::config::ListenerConfig;
+use tether_agent::config::{ListenerConfig, PoolConfig};
 use tether_e2e::bins::{http_get, metric_sum};
 use tether_e2e::checksum::Checksum;
 use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
@@ -18,17 +18,17 @@ use crate::support::{echo_server, node_listener};
 
 /// A deployment whose single agent listens for `targets` (by name) and whose tenant allows `allowed`.
 async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<ForwardTarget>>) -> LocalDeployment {
-    deployment_with(tenant, listeners, allowed, 4096, 1).await
+    deployment_with(tenant, listeners, allowed, 4096, |_| {}).await
 }
 
-/// Like [`deployment`], each listener taking at most `max_connections` at once, the agent holding
-/// `sessions` sessions to the gateway.
+/// Like [`deployment`], each listener taking at most `max_connections` at once, the agent's
+/// session pool set by `pool`.
 async fn deployment_with(
     tenant: &str,
     listeners: &[&str],
     allowed: Option<Vec<ForwardTarget>>,
     max_connections: usize,
-    sessions: usize,
+    pool: impl Fn(&mut PoolConfig) + Send + Sync + 'static,
 ) -> LocalDeployment {
     let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
     let deployment = LocalDeployment::start(LocalOptions {
@@ -45,7 +45,7 @@ async fn deployment_with(
         })),
         tweak_agent: Some(Arc::new(move |_, config| {
             config.forward_wait = Duration::from_secs(10).into();
-            config.gateway.pool.sessions_per_replica = sessions;
+            pool(&mut config.gateway.pool);
             config.listeners = names
                 .iter()
                 .map(|name| ListenerConfig { max_connections, ..ListenerConfig::new(loopback(0), name.clone()) })
@@ -115,9 +115,16 @@ async fn forwarded_bytes_arrive_intact_both_ways_for_many_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
     let control_plane = echo_server().await;
-    let d =
-        deployment_with("fwd-two", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 4096, 2)
-            .await;
+    let d = deployment_with(
+        "fwd-two",
+        &["kube-apiserver"],
+        Some(vec![target("kube-apiserver", control_plane)]),
+        4096,
+        |p| {
+            p.sessions_per_replica = 2;
+        },
+    )
+    .await;
     let agent = &d.agents[0];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while agent.state.live_sessions() < 2 {
@@ -156,6 +163,112 @@ async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
         "{metrics}"
     );
     d.shutdown().await;
+}
+
+/// Busy sessions: an agent whose traffic stays under `busy_mib_per_second` (small requests) holds
+/// one session; bulk traffic makes it busy, a second session comes up and later forwards spread
+/// over both; once the traffic has stayed under the rate for `busy_linger`, the second session
+/// retires: the agent routes nothing new to it, the streams still on it keep working, and it
+/// closes (at the gateway too) when they end. Bulk brings it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_quiet() {
+    let control_plane = echo_server().await;
+    let d = deployment_with(
+        "fwd-busy",
+        &["kube-apiserver"],
+        Some(vec![target("kube-apiserver", control_plane)]),
+        4096,
+        |p| {
+            assert_eq!((p.sessions_per_replica, p.busy_sessions_per_replica), (1, 2), "the defaults");
+            p.busy_mib_per_second = 2;
+            p.busy_linger = Duration::from_millis(1500).into();
+        },
+    )
+    .await;
+    let agent = &d.agents[0];
+    let gateway_sessions = async || {
+        let (_, metrics) = http_get(d.admin_addr, "/metrics").await.unwrap();
+        metric_sum(&metrics, "tether_gateway_agent_sessions", "tenant=\"fwd-busy\"")
+    };
+    let listener = listener_for(&d, "kube-apiserver");
+    let echo_once = async |client: &mut TcpStream| {
+        client.write_all(b"busy").await.unwrap();
+        let mut got = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got)).await.unwrap().unwrap();
+        assert_eq!(&got, b"busy");
+    };
+
+    // Small requests for a few samples: still one session.
+    let mut small = TcpStream::connect(listener).await.unwrap();
+    for _ in 0..20 {
+        echo_once(&mut small).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!agent.state.is_busy());
+    assert_eq!(agent.state.live_sessions(), 1);
+    assert_eq!(gateway_sessions().await, 1.0);
+    drop(small);
+
+    // Bulk until the second session is up.
+    let bulk = bulk_until(listener, || agent.state.live_sessions() == 2);
+    assert!(tokio::time::timeout(Duration::from_secs(30), bulk).await.is_ok(), "bulk never brought a second session");
+    assert!(agent.state.is_busy());
+    let (_, agent_metrics) = http_get(agent.admin.unwrap(), "/metrics").await.unwrap();
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_busy", ""), 1.0, "{agent_metrics}");
+    // Forwards opened while busy go to the least-loaded session (once the bulk one has closed).
+    assert!(
+        crate::tunnel::wait_for(Duration::from_secs(10), || agent.state.session_streams().iter().sum::<usize>() == 2)
+            .await
+    );
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut client = TcpStream::connect(listener).await.unwrap();
+        echo_once(&mut client).await;
+        held.push(client);
+    }
+    let mut loads = agent.state.session_streams();
+    loads.sort_unstable();
+    assert_eq!(loads, vec![3, 3], "four forwards spread over both sessions (each also has its control stream)");
+    assert_eq!(gateway_sessions().await, 2.0);
+
+    // Quiet (the held connections move almost nothing): the second session retires. Its streams
+    // still work; it closes, at the gateway too, once they end.
+    assert!(
+        crate::tunnel::wait_for(Duration::from_secs(10), || agent.state.live_sessions() == 1).await,
+        "the busy session never retired"
+    );
+    assert!(!agent.state.is_busy());
+    for client in &mut held {
+        echo_once(client).await;
+    }
+    assert_eq!(gateway_sessions().await, 2.0, "a retiring session stays while it carries streams");
+    drop(held);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while gateway_sessions().await != 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the gateway still holds the retired session");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, agent_metrics) = http_get(agent.admin.unwrap(), "/metrics").await.unwrap();
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_busy", ""), 0.0, "{agent_metrics}");
+    assert_eq!(metric_sum(&agent_metrics, "tether_agent_sessions", ""), 1.0, "{agent_metrics}");
+
+    // Busy again: bulk brings the second session back.
+    let bulk = bulk_until(listener, || agent.state.live_sessions() == 2);
+    assert!(tokio::time::timeout(Duration::from_secs(30), bulk).await.is_ok(), "the second session never came back");
+    d.shutdown().await;
+}
+
+/// Streams 1 MiB chunks through the echo at `addr`, reading them back, until `done`.
+async fn bulk_until(addr: SocketAddr, done: impl Fn() -> bool) {
+    let (mut read, mut write) = TcpStream::connect(addr).await.unwrap().into_split();
+    let chunk = vec![0x5a_u8; 1 << 20];
+    let mut got = vec![0u8; 1 << 20];
+    while !done() {
+        let (wrote, echoed) = tokio::join!(write.write_all(&chunk), read.read_exact(&mut got));
+        wrote.unwrap();
+        echoed.unwrap();
+        assert!(got.iter().all(|b| *b == 0x5a));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,8 +406,9 @@ async fn an_aborted_forwarded_connection_frees_both_sides() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_takes_at_most_its_max_connections() {
     let control_plane = echo_server().await;
-    let d = deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2, 1)
-        .await;
+    let d =
+        deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2, |_| {})
+            .await;
     let listener = listener_for(&d, "kube-apiserver");
     let roundtrip = async |stream: &mut TcpStream| -> bool {
         let mut got = [0u8; 4];
