@@ -265,6 +265,9 @@ pub fn write_named_agent_config(
             "reconnect_initial": "100ms",
             "reconnect_max": "1s",
             "token_check_interval": "2s",
+            // A busy session retires 5 s after the bulk traffic that brought it, so after a
+            // soak's load the agent is back at one session well inside the settle wait.
+            "pool": { "busy_linger": "5s" },
         },
         "admin_listen": spec.admin.to_string(),
         "identifiers": { "addresses": addresses },
