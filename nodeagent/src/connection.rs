@@ -340,11 +340,17 @@ impl AgentState {
             .map(|e| Picked { session: e.session.clone(), on_thread: e.on_thread })
     }
 
+    /// Whether the agent holds the sessions it keeps when quiet (`per_replica` to each wanted
+    /// replica): any more are busy sessions.
+    fn holds_its_quota(&self) -> bool {
+        self.live_sessions() >= self.wanted_replicas() * self.per_replica
+    }
+
     /// Whether the next session belongs on a session thread: with several sessions held to each
     /// replica, all do; otherwise the held ones run on the agent's runtime (where a quiet agent's
     /// work stays on one thread) and only the busy ones beyond them on threads.
     fn next_on_thread(&self) -> bool {
-        self.per_replica > 1 || self.live_sessions() >= self.wanted_replicas()
+        self.per_replica > 1 || self.holds_its_quota()
     }
 
     /// A live session, waiting up to `timeout` for one to come up.
@@ -471,6 +477,8 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
         }
         ctx.state.dials.fetch_add(1, Ordering::Relaxed);
         let on_thread = ctx.threads.is_some() && ctx.state.next_on_thread();
+        // A busy session beyond the held ones: the held ones carry the agent meanwhile.
+        let busy_extra = ctx.state.holds_its_quota();
         let delay = match establish_session(&ctx, token, on_thread).await {
             Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
@@ -517,6 +525,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             Err(e) => {
                 metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
                 let mut delay = backoff.next_delay();
+                let mut busy_dial_failed = false;
                 if let EstablishError::Connect(c) = &e
                     && let Some(asked) = c.retry_after()
                 {
@@ -533,10 +542,16 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                     tracing::error!(error = %e, retry_in_ms = delay.as_millis() as u64, "proxy authentication failed; check gateway.proxy (user, password file) or HTTPS_PROXY");
                 } else if matches!(&e, EstablishError::Connect(c) if c.is_unauthorized()) {
                     tracing::error!(error = %e, retry_in_ms = delay.as_millis() as u64, "the gateway refused this agent's token; check the token file, audience and issuer");
+                } else if busy_extra {
+                    // A gateway at its session limit refuses these first; not an outage.
+                    tracing::info!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot open a busy session; the held sessions carry the traffic meanwhile");
+                    busy_dial_failed = true;
                 } else {
                     tracing::warn!(error = %e, attempt = backoff.attempts(), retry_in_ms = delay.as_millis() as u64, "cannot connect to the gateway");
                 }
-                ctx.state.set_last_error(Some(e.to_string()));
+                if !busy_dial_failed {
+                    ctx.state.set_last_error(Some(e.to_string()));
+                }
                 delay
             }
         };

@@ -258,6 +258,57 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
     d.shutdown().await;
 }
 
+/// A busy session the gateway refuses (the tenant is at `limits.max_agents`, which counts
+/// sessions) is no outage: the agent stays ready on its held session, reports no connection error,
+/// keeps carrying its traffic, and the refusal is counted at the gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_session_refused_at_the_session_limit_leaves_the_agent_ready() {
+    let control_plane = echo_server().await;
+    let deployment = LocalDeployment::start(LocalOptions {
+        tenant: "fwd-limit".into(),
+        host: "fwd-limit.tether.local".into(),
+        agents: vec![tether_loadtest::local::AgentSpec {
+            id: "node-1".into(),
+            addresses: vec![],
+            allow: vec![],
+            default_route: false,
+        }],
+        tweak_gateway: Some(Box::new(move |config| {
+            config.tenants[0].node_to_controlplane =
+                Some(NodeToControlPlane { targets: vec![target("kube-apiserver", control_plane)] });
+            config.tenants[0].limits.max_agents = 1;
+        })),
+        tweak_agent: Some(Arc::new(move |_, config| {
+            config.gateway.pool.busy_mib_per_second = 2;
+            config.listeners = vec![ListenerConfig::new(loopback(0), "kube-apiserver")];
+        })),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
+    deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
+    let agent = &deployment.agents[0];
+    let listener = listener_for(&deployment, "kube-apiserver");
+    let bulk = bulk_until(listener, || agent.state.is_busy());
+    assert!(tokio::time::timeout(Duration::from_secs(30), bulk).await.is_ok(), "bulk never made the agent busy");
+    let refused = async || {
+        let (_, metrics) = http_get(deployment.admin_addr, "/metrics").await.unwrap();
+        metric_sum(&metrics, "tether_gateway_agent_connects_total", "tenant=\"fwd-limit\",result=\"limit\"")
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while refused().await < 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the busy session was never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(agent.state.live_sessions(), 1);
+    assert!(agent.state.is_ready());
+    assert_eq!(agent.state.last_error(), None, "a refused busy session is not the agent's connection error");
+    let (status, body) = http_get(agent.admin.unwrap(), "/readyz").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    echo_checksummed(listener, 1 << 20, 9).await;
+    deployment.shutdown().await;
+}
+
 /// Streams 1 MiB chunks through the echo at `addr`, reading them back, until `done`.
 async fn bulk_until(addr: SocketAddr, done: impl Fn() -> bool) {
     let (mut read, mut write) = TcpStream::connect(addr).await.unwrap().into_split();
