@@ -67,6 +67,33 @@ fn listener_for(deployment: &LocalDeployment, name: &str) -> SocketAddr {
     deployment.agents[0].forward_addrs.iter().find(|(_, t)| t == name).map(|(a, _)| *a).unwrap()
 }
 
+/// Opens `count` forwards through `listener` (to an echo), each checked with a round trip, and
+/// holds them open.
+async fn hold_forwards(listener: SocketAddr, count: usize) -> Vec<TcpStream> {
+    let mut held = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut client = TcpStream::connect(listener).await.unwrap();
+        round_trip(&mut client, b"held").await;
+        held.push(client);
+    }
+    held
+}
+
+/// Open streams on each of the agent's live sessions, smallest first.
+fn sorted_loads(agent: &tether_loadtest::local::LocalAgent) -> Vec<usize> {
+    let mut loads = agent.state.session_streams();
+    loads.sort_unstable();
+    loads
+}
+
+/// Sends `message` on `client` (to an echo) and reads it back.
+async fn round_trip(client: &mut TcpStream, message: &[u8]) {
+    client.write_all(message).await.unwrap();
+    let mut got = vec![0u8; message.len()];
+    tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got)).await.unwrap().unwrap();
+    assert_eq!(got, message);
+}
+
 /// Sends `len` random bytes through an echo and checks what comes back.
 async fn echo_checksummed(addr: SocketAddr, len: usize, seed: u64) {
     let mut rng = fastrand::Rng::with_seed(seed);
@@ -133,18 +160,8 @@ async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
     }
     let listener = listener_for(&d, "kube-apiserver");
     // Eight connections held open: four on each session (each also carries its control stream).
-    let mut held = Vec::new();
-    for _ in 0..8 {
-        let mut client = TcpStream::connect(listener).await.unwrap();
-        client.write_all(b"two").await.unwrap();
-        let mut got = [0u8; 3];
-        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got)).await.unwrap().unwrap();
-        assert_eq!(&got, b"two");
-        held.push(client);
-    }
-    let mut loads = agent.state.session_streams();
-    loads.sort_unstable();
-    assert_eq!(loads, vec![5, 5], "forwards spread over both sessions");
+    let held = hold_forwards(listener, 8).await;
+    assert_eq!(sorted_loads(agent), vec![5, 5], "forwards spread over both sessions");
     // Bulk and many clients at once, over both sessions.
     let mut clients = vec![tokio::spawn(echo_checksummed(listener, 16 << 20, 1))];
     clients.extend((0..100).map(|i| tokio::spawn(echo_checksummed(listener, fastrand::usize(1..200_000), i + 2))));
@@ -191,17 +208,11 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
         metric_sum(&metrics, "tether_gateway_agent_sessions", "tenant=\"fwd-busy\"")
     };
     let listener = listener_for(&d, "kube-apiserver");
-    let echo_once = async |client: &mut TcpStream| {
-        client.write_all(b"busy").await.unwrap();
-        let mut got = [0u8; 4];
-        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got)).await.unwrap().unwrap();
-        assert_eq!(&got, b"busy");
-    };
 
     // Small requests for a few samples: still one session.
     let mut small = TcpStream::connect(listener).await.unwrap();
     for _ in 0..20 {
-        echo_once(&mut small).await;
+        round_trip(&mut small, b"busy").await;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(!agent.state.is_busy());
@@ -220,15 +231,12 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
         crate::tunnel::wait_for(Duration::from_secs(10), || agent.state.session_streams().iter().sum::<usize>() == 2)
             .await
     );
-    let mut held = Vec::new();
-    for _ in 0..4 {
-        let mut client = TcpStream::connect(listener).await.unwrap();
-        echo_once(&mut client).await;
-        held.push(client);
-    }
-    let mut loads = agent.state.session_streams();
-    loads.sort_unstable();
-    assert_eq!(loads, vec![3, 3], "four forwards spread over both sessions (each also has its control stream)");
+    let mut held = hold_forwards(listener, 4).await;
+    assert_eq!(
+        sorted_loads(agent),
+        vec![3, 3],
+        "four forwards spread over both sessions (each also has its control stream)"
+    );
     assert_eq!(gateway_sessions().await, 2.0);
 
     // Quiet (the held connections move almost nothing): the second session retires. Its streams
@@ -239,7 +247,7 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
     );
     assert!(!agent.state.is_busy());
     for client in &mut held {
-        echo_once(client).await;
+        round_trip(client, b"busy").await;
     }
     assert_eq!(gateway_sessions().await, 2.0, "a retiring session stays while it carries streams");
     drop(held);
