@@ -50,10 +50,19 @@ pub fn agent_for(id: &str, addr: SocketAddr) -> AgentSpec {
 /// A deployment with one agent in front of an echo server; returns it and the echo address.
 pub async fn one_agent_echo() -> (LocalDeployment, SocketAddr) {
     let echo = echo_server().await;
-    let deployment =
-        LocalDeployment::start(LocalOptions { agents: vec![agent_for("node-1", echo)], ..LocalOptions::default() })
-            .await
-            .unwrap();
+    let deployment = LocalDeployment::start(LocalOptions {
+        agents: vec![agent_for("node-1", echo)],
+        // Busy from 4 MiB/s, and a busy session retires a second after the traffic (not a
+        // minute): tests that compare resources with a baseline see it come and go, and what it
+        // leaves behind.
+        tweak_agent: Some(std::sync::Arc::new(|_, config| {
+            config.gateway.pool.busy_mib_per_second = 4;
+            config.gateway.pool.busy_linger = Duration::from_secs(1).into();
+        })),
+        ..LocalOptions::default()
+    })
+    .await
+    .unwrap();
     deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
     (deployment, echo)
 }

@@ -54,7 +54,8 @@ async fn half_close_still_delivers_the_whole_response() {
 }
 
 /// 1,000 concurrent streams through one agent, random payloads both ways, every byte verified;
-/// afterwards open file descriptors and tasks are back to their baseline.
+/// afterwards open file descriptors and tasks are back to their baseline, with the busy session
+/// the traffic brought retired.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_streams_carry_every_byte_and_leave_no_leaks() {
     let (deployment, echo) = one_agent_echo().await;
@@ -80,6 +81,11 @@ async fn a_thousand_concurrent_streams_carry_every_byte_and_leave_no_leaks() {
         tasks_before,
         metrics.num_alive_tasks()
     );
+    let admin = deployment.agents[0].admin.unwrap();
+    let (_, agent_metrics) = tether_e2e::bins::http_get(admin, "/metrics").await.unwrap();
+    let connects = tether_e2e::bins::metric_sum(&agent_metrics, "tether_agent_connects_total", "result=\"ok\"");
+    assert_eq!(connects, 2.0, "the held session and one busy session: {agent_metrics}");
+    assert_eq!(deployment.agents[0].state.live_sessions(), 1);
     deployment.shutdown().await;
 }
 
