@@ -411,7 +411,8 @@ enum SessionEnd {
     Drained(Duration),
     Lost(String),
     Stopped,
-    /// A busy session no longer needed: told the gateway, its last streams finish on their own.
+    /// A busy session no longer needed: the gateway was told, and the streams it still carried
+    /// have ended (or its grace did).
     Retired,
 }
 
@@ -681,6 +682,12 @@ async fn run_session(
     token_check.tick().await;
     // Each token problem seen on this session is logged once.
     let mut warned: Option<String> = None;
+    // Retiring (a busy session no longer wanted): nothing new comes here; the session runs on,
+    // its token refreshed, until the streams still on it are done or RETIRE_GRACE is over.
+    let retire_deadline = tokio::time::sleep(Duration::MAX / 4);
+    tokio::pin!(retire_deadline);
+    let mut retiring = false;
+    let mut idle_check = tokio::time::interval(Duration::from_millis(200));
 
     let end = loop {
         tokio::select! {
@@ -756,10 +763,9 @@ async fn run_session(
                     Err(e) => tracing::warn!(error = %e, "cannot re-read the token file; keeping the current token"),
                 }
             }
-            () = retire.cancelled() => {
-                // The gateway routes nothing new here once it has read this; a dial it sent
-                // before is still served, and the session closes when its streams are done
-                // (long-lived ones, a watch say, keep it until they end or the agent stops).
+            () = retire.cancelled(), if !retiring => {
+                // The gateway routes nothing new here once it has read this (a dial it sent
+                // before is still served), and the agent opens nothing new here.
                 let leaving = ControlMessage::Leaving(Leaving {
                     deadline_ms: u64::try_from(RETIRE_GRACE.as_millis()).unwrap_or(u64::MAX),
                     reason: "the agent is quiet again; closing a busy session".into(),
@@ -768,21 +774,16 @@ async fn run_session(
                     break SessionEnd::Retired;
                 }
                 tracing::debug!(server = %welcome.server_id, open_streams = session.open_streams().saturating_sub(1), "closing a busy session: quiet for the busy linger");
-                let control = (control_write, reader, messages);
-                let (ctx, stop, session) = (ctx.clone(), stop.clone(), session.clone());
-                tokio::spawn(async move {
-                    let grace = ctx.shutdown_grace_period;
-                    let stopping = async {
-                        stop.cancelled().await;
-                        tokio::time::sleep(grace).await;
-                    };
-                    tokio::select! {
-                        () = finish_draining(session.clone(), incoming, control, ctx, RETIRE_GRACE) => {}
-                        () = stopping => session.close(),
-                    }
-                });
-                return SessionEnd::Retired;
+                retiring = true;
+                retire_deadline.as_mut().reset(tokio::time::Instant::now() + RETIRE_GRACE);
             }
+            _ = idle_check.tick(), if retiring => {
+                // Only the control stream left: nothing in flight.
+                if session.open_streams() <= 1 {
+                    break SessionEnd::Retired;
+                }
+            }
+            () = &mut retire_deadline, if retiring => break SessionEnd::Retired,
             () = stop.cancelled() => {
                 let grace = ctx.shutdown_grace_period;
                 let leaving = ControlMessage::Leaving(Leaving {
@@ -851,7 +852,8 @@ async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Re
     write_frame(writer, message, MAX_CONTROL_FRAME).await
 }
 
-/// Longest a retiring busy session stays for the streams it still carries.
+/// Longest a retiring busy session stays for the streams it still carries (its token is refreshed
+/// meanwhile, as on any session).
 const RETIRE_GRACE: Duration = Duration::from_secs(3600);
 
 /// A token with less than this left is not presented (the session would end almost at once).
