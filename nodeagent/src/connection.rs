@@ -59,7 +59,35 @@ pub struct ConnectionContext {
     /// Threads the sessions run on, one session per thread as far as they go, when the agent
     /// holds several sessions per replica (always or while busy); without them every session
     /// shares the runtime.
-    pub threads: Option<Arc<SessionThreads>>,
+    pub threads: LazySessionThreads,
+}
+
+/// Session threads, started when the first session that belongs on one is dialed: an agent that
+/// never becomes busy never starts them.
+pub struct LazySessionThreads {
+    count: usize,
+    started: std::sync::OnceLock<Option<Arc<SessionThreads>>>,
+}
+
+impl LazySessionThreads {
+    /// `count` threads when there are several sessions per replica (held or busy); none for one.
+    pub fn new(sessions_per_replica: usize) -> Self {
+        Self { count: if sessions_per_replica < 2 { 0 } else { sessions_per_replica }, started: Default::default() }
+    }
+
+    /// Whether sessions may run on threads of their own.
+    fn enabled(&self) -> bool {
+        self.count > 0
+    }
+
+    /// The threads, started on first use; `None` when the agent has none, or they could not be
+    /// started (logged; sessions then share the runtime).
+    fn get(&self) -> Option<&Arc<SessionThreads>> {
+        if !self.enabled() {
+            return None;
+        }
+        self.started.get_or_init(|| SessionThreads::start_shared(self.count)).as_ref()
+    }
 }
 
 /// Live state of the agent: its sessions (for readiness and for forwarding), the last error.
@@ -477,7 +505,7 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
             }
         }
         ctx.state.dials.fetch_add(1, Ordering::Relaxed);
-        let on_thread = ctx.threads.is_some() && ctx.state.next_on_thread();
+        let on_thread = ctx.threads.enabled() && ctx.state.next_on_thread();
         // A busy session beyond the held ones: the held ones carry the agent meanwhile.
         let busy_extra = ctx.state.holds_its_quota();
         let delay = match establish_session(&ctx, token, on_thread).await {
@@ -597,7 +625,7 @@ async fn establish_session(
     token: String,
     on_thread: bool,
 ) -> Result<Established, EstablishError> {
-    let Some(threads) = ctx.threads.as_ref().filter(|_| on_thread) else {
+    let Some(threads) = ctx.threads.get().filter(|_| on_thread) else {
         return establish(ctx, token).await.map(|(established, _driver)| established);
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -766,10 +794,7 @@ async fn run_session(
             () = retire.cancelled(), if !retiring => {
                 // The gateway routes nothing new here once it has read this (a dial it sent
                 // before is still served), and the agent opens nothing new here.
-                let leaving = ControlMessage::Leaving(Leaving {
-                    deadline_ms: u64::try_from(RETIRE_GRACE.as_millis()).unwrap_or(u64::MAX),
-                    reason: "the agent is quiet again; closing a busy session".into(),
-                });
+                let leaving = leaving(RETIRE_GRACE, "the agent is quiet again; closing a busy session");
                 if send(&mut control_write, &leaving).await.is_err() {
                     break SessionEnd::Retired;
                 }
@@ -786,10 +811,7 @@ async fn run_session(
             () = &mut retire_deadline, if retiring => break SessionEnd::Retired,
             () = stop.cancelled() => {
                 let grace = ctx.shutdown_grace_period;
-                let leaving = ControlMessage::Leaving(Leaving {
-                    deadline_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
-                    reason: "agent shutting down".into(),
-                });
+                let leaving = leaving(grace, "agent shutting down");
                 if grace.is_zero() || send(&mut control_write, &leaving).await.is_err() {
                     break SessionEnd::Stopped;
                 }
@@ -847,6 +869,15 @@ async fn finish_draining(
 /// The control stream of a draining session, kept open until the session ends.
 type DrainingControl =
     (WriteHalf<MuxStream>, tokio::task::JoinHandle<()>, mpsc::Receiver<Box<Result<ControlMessage, FrameError>>>);
+
+/// The `leaving` message: nothing new for this session; it closes when its streams are done, at
+/// the latest after `deadline`.
+fn leaving(deadline: Duration, reason: &str) -> ControlMessage {
+    ControlMessage::Leaving(Leaving {
+        deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+        reason: reason.into(),
+    })
+}
 
 async fn send(writer: &mut WriteHalf<MuxStream>, message: &ControlMessage) -> Result<(), FrameError> {
     write_frame(writer, message, MAX_CONTROL_FRAME).await

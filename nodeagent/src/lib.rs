@@ -23,7 +23,6 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tether_tunnel::client::ClientSettings;
 use tether_tunnel::mux::MuxSettings;
 use tether_tunnel::protocol::Identifiers;
-use tether_tunnel::session_threads::SessionThreads;
 use tether_tunnel::tls::{self, ALPN_HTTP11, ClientRoots};
 use tether_tunnel::ws::{KeepaliveSettings, WsSettings};
 use tokio::net::TcpListener;
@@ -32,7 +31,7 @@ use tokio_util::task::TaskTracker;
 
 pub use config::AgentConfig;
 pub use connection::AgentState;
-use connection::ConnectionContext;
+use connection::{ConnectionContext, LazySessionThreads};
 use dialer::DialPolicy;
 
 /// An agent with its admin listener bound, ready to [`run`](Agent::run).
@@ -94,7 +93,6 @@ impl Agent {
         if !hosts.iter().any(|h| h.eq_ignore_ascii_case(&agent_id)) {
             hosts.push(agent_id.clone());
         }
-        let threads = start_session_threads(gw.pool.busy_sessions());
         let context = Arc::new(ConnectionContext {
             client,
             token_file: gw.token_file.clone(),
@@ -120,7 +118,7 @@ impl Agent {
             duplicate_retry_max: gw.pool.duplicate_retry_max.0,
             drain_reconnect_window: gw.pool.drain_reconnect_window.0,
             shutdown_grace_period: config.shutdown_grace_period.0,
-            threads,
+            threads: LazySessionThreads::new(gw.pool.busy_sessions()),
         });
         let admin = TcpListener::bind(config.admin_listen)
             .await
@@ -203,14 +201,4 @@ impl Agent {
         tracing::info!("agent stopped");
         Ok(())
     }
-}
-
-/// With several sessions per replica (held always or while busy), a thread for each (they are
-/// meant to use several cores): every session runs on one, with the streams it carries. With one
-/// session per replica the agent has no threads besides its runtime's.
-fn start_session_threads(sessions_per_replica: usize) -> Option<Arc<SessionThreads>> {
-    if sessions_per_replica < 2 {
-        return None;
-    }
-    SessionThreads::start_shared(sessions_per_replica)
 }
