@@ -8,7 +8,7 @@ use std::time::Duration;
 use tether_agent::config::{ListenerConfig, PoolConfig};
 use tether_e2e::bins::{http_get, metric_sum};
 use tether_e2e::checksum::Checksum;
-use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
+use tether_gateway::config::{ForwardTarget, NodeToControlPlane, TenantLimits};
 use tether_loadtest::backends;
 use tether_loadtest::local::{LocalDeployment, LocalOptions, loopback};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -18,7 +18,25 @@ use crate::support::{echo_server, node_listener};
 
 /// A deployment whose single agent listens for `targets` (by name) and whose tenant allows `allowed`.
 async fn deployment(tenant: &str, listeners: &[&str], allowed: Option<Vec<ForwardTarget>>) -> LocalDeployment {
-    deployment_with(tenant, listeners, allowed, 4096, |_| {}).await
+    deployment_with(tenant, listeners, allowed, 4096, |_| {}, |_| {}).await
+}
+
+/// One listener for the `kube-apiserver` target at `control_plane`, allowed by the tenant, the
+/// agent's session pool set by `pool`.
+async fn kas_deployment(
+    tenant: &str,
+    control_plane: SocketAddr,
+    pool: impl Fn(&mut PoolConfig) + Send + Sync + 'static,
+) -> LocalDeployment {
+    deployment_with(
+        tenant,
+        &["kube-apiserver"],
+        Some(vec![target("kube-apiserver", control_plane)]),
+        4096,
+        pool,
+        |_| {},
+    )
+    .await
 }
 
 /// Like [`deployment`], each listener taking at most `max_connections` at once, the agent's
@@ -29,6 +47,7 @@ async fn deployment_with(
     allowed: Option<Vec<ForwardTarget>>,
     max_connections: usize,
     pool: impl Fn(&mut PoolConfig) + Send + Sync + 'static,
+    limits: impl FnOnce(&mut TenantLimits) + Send + 'static,
 ) -> LocalDeployment {
     let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
     let deployment = LocalDeployment::start(LocalOptions {
@@ -42,6 +61,7 @@ async fn deployment_with(
         }],
         tweak_gateway: Some(Box::new(move |config| {
             config.tenants[0].node_to_controlplane = allowed.map(|targets| NodeToControlPlane { targets });
+            limits(&mut config.tenants[0].limits);
         })),
         tweak_agent: Some(Arc::new(move |_, config| {
             config.forward_wait = Duration::from_secs(10).into();
@@ -142,15 +162,9 @@ async fn forwarded_bytes_arrive_intact_both_ways_for_many_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
     let control_plane = echo_server().await;
-    let d = deployment_with(
-        "fwd-two",
-        &["kube-apiserver"],
-        Some(vec![target("kube-apiserver", control_plane)]),
-        4096,
-        |p| {
-            p.sessions_per_replica = 2;
-        },
-    )
+    let d = kas_deployment("fwd-two", control_plane, |p| {
+        p.sessions_per_replica = 2;
+    })
     .await;
     let agent = &d.agents[0];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -190,17 +204,11 @@ async fn forwards_over_two_sessions_on_threads_of_their_own_arrive_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_quiet() {
     let control_plane = echo_server().await;
-    let d = deployment_with(
-        "fwd-busy",
-        &["kube-apiserver"],
-        Some(vec![target("kube-apiserver", control_plane)]),
-        4096,
-        |p| {
-            assert_eq!((p.sessions_per_replica, p.busy_sessions_per_replica), (1, 2), "the defaults");
-            p.busy_mib_per_second = 2;
-            p.busy_linger = Duration::from_millis(1500).into();
-        },
-    )
+    let d = kas_deployment("fwd-busy", control_plane, |p| {
+        assert_eq!((p.sessions_per_replica, p.busy_sessions_per_replica), (1, 2), "the defaults");
+        p.busy_mib_per_second = 2;
+        p.busy_linger = Duration::from_millis(1500).into();
+    })
     .await;
     let agent = &d.agents[0];
     let gateway_sessions = async || {
@@ -272,29 +280,15 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_session_refused_at_the_session_limit_leaves_the_agent_ready() {
     let control_plane = echo_server().await;
-    let deployment = LocalDeployment::start(LocalOptions {
-        tenant: "fwd-limit".into(),
-        host: "fwd-limit.tether.local".into(),
-        agents: vec![tether_loadtest::local::AgentSpec {
-            id: "node-1".into(),
-            addresses: vec![],
-            allow: vec![],
-            default_route: false,
-        }],
-        tweak_gateway: Some(Box::new(move |config| {
-            config.tenants[0].node_to_controlplane =
-                Some(NodeToControlPlane { targets: vec![target("kube-apiserver", control_plane)] });
-            config.tenants[0].limits.max_agents = 1;
-        })),
-        tweak_agent: Some(Arc::new(move |_, config| {
-            config.gateway.pool.busy_mib_per_second = 2;
-            config.listeners = vec![ListenerConfig::new(loopback(0), "kube-apiserver")];
-        })),
-        ..LocalOptions::default()
-    })
-    .await
-    .unwrap();
-    deployment.wait_connected(Duration::from_secs(10)).await.unwrap();
+    let deployment = deployment_with(
+        "fwd-limit",
+        &["kube-apiserver"],
+        Some(vec![target("kube-apiserver", control_plane)]),
+        4096,
+        |p| p.busy_mib_per_second = 2,
+        |limits| limits.max_agents = 1,
+    )
+    .await;
     let agent = &deployment.agents[0];
     let listener = listener_for(&deployment, "kube-apiserver");
     let bulk = bulk_until(listener, || agent.state.is_busy());
@@ -465,9 +459,15 @@ async fn an_aborted_forwarded_connection_frees_both_sides() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_takes_at_most_its_max_connections() {
     let control_plane = echo_server().await;
-    let d =
-        deployment_with("fwd-cap", &["kube-apiserver"], Some(vec![target("kube-apiserver", control_plane)]), 2, |_| {})
-            .await;
+    let d = deployment_with(
+        "fwd-cap",
+        &["kube-apiserver"],
+        Some(vec![target("kube-apiserver", control_plane)]),
+        2,
+        |_| {},
+        |_| {},
+    )
+    .await;
     let listener = listener_for(&d, "kube-apiserver");
     let roundtrip = async |stream: &mut TcpStream| -> bool {
         let mut got = [0u8; 4];
