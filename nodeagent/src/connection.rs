@@ -798,13 +798,12 @@ async fn run_session(
                 if send(&mut control_write, &leaving).await.is_err() {
                     break SessionEnd::Retired;
                 }
-                tracing::debug!(server = %welcome.server_id, open_streams = session.open_streams().saturating_sub(1), "closing a busy session: quiet for the busy linger");
+                tracing::debug!(server = %welcome.server_id, open_streams = tunnelled_streams(&session), "closing a busy session: quiet for the busy linger");
                 retiring = true;
                 retire_deadline.as_mut().reset(tokio::time::Instant::now() + RETIRE_GRACE);
             }
             _ = idle_check.tick(), if retiring => {
-                // Only the control stream left: nothing in flight.
-                if session.open_streams() <= 1 {
+                if tunnelled_streams(&session) == 0 {
                     break SessionEnd::Retired;
                 }
             }
@@ -815,8 +814,7 @@ async fn run_session(
                 if grace.is_zero() || send(&mut control_write, &leaving).await.is_err() {
                     break SessionEnd::Stopped;
                 }
-                let open = session.open_streams().saturating_sub(1);
-                tracing::info!(server = %welcome.server_id, open_streams = open, grace_ms = grace.as_millis() as u64, "stopping: told the gateway; open streams may finish");
+                tracing::info!(server = %welcome.server_id, open_streams = tunnelled_streams(&session), grace_ms = grace.as_millis() as u64, "stopping: told the gateway; open streams may finish");
                 finish_draining(session, incoming, (control_write, reader, messages), ctx.clone(), grace).await;
                 return SessionEnd::Stopped;
             }
@@ -846,8 +844,7 @@ async fn finish_draining(
     loop {
         tokio::select! {
             _ = idle_check.tick() => {
-                // Only the control stream left: nothing in flight.
-                if session.open_streams() <= 1 {
+                if tunnelled_streams(&session) == 0 {
                     tracing::debug!("drained session has no streams left; closing it");
                     break;
                 }
@@ -864,6 +861,11 @@ async fn finish_draining(
     }
     reader.abort();
     session.close();
+}
+
+/// Streams a session carries besides its control stream: 0 when nothing is in flight.
+fn tunnelled_streams(session: &Session) -> usize {
+    session.open_streams().saturating_sub(1)
 }
 
 /// The control stream of a draining session, kept open until the session ends.
