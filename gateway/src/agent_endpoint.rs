@@ -16,7 +16,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tether_tunnel::protocol::{SUBPROTOCOL, TUNNEL_PATH};
+use tether_tunnel::protocol::{ADDITIONAL_SESSION, SESSION_HEADER, SUBPROTOCOL, TUNNEL_PATH};
 use tether_tunnel::session_threads::ThreadLoad;
 use tether_tunnel::ws_link::{WsLink, WsRole};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
@@ -98,7 +98,9 @@ async fn tunnel(req: Request<Incoming>, conn: &ConnInfo, endpoint: &AgentEndpoin
             return response;
         }
     };
-    let slots = match SessionSlots::reserve(sessions, &tenant) {
+    // A session beyond the agent's first shares its agent's slot, checked at the Hello.
+    let additional = req.headers().get(SESSION_HEADER).is_some_and(|v| v.as_bytes() == ADDITIONAL_SESSION.as_bytes());
+    let slots = match SessionSlots::reserve(sessions, &tenant, additional) {
         Ok(slots) => slots,
         Err(reason) => {
             metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "limit").increment(1);

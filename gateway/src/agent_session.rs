@@ -24,7 +24,7 @@ use crate::metrics::{AGENT_CONNECTS, AGENT_SESSIONS, AGENTS, SESSIONS_CLOSED, TO
 use crate::registry::{AgentIdentifiers, AgentSession};
 use crate::session_life::{Action, CloseReason, Event, SessionLife};
 use crate::settings::SessionSettings;
-use crate::tenant::Tenant;
+use crate::tenant::{AgentSlot, SlotRefused, Tenant};
 
 /// What every agent session of this gateway shares.
 pub struct Sessions {
@@ -57,23 +57,38 @@ impl Sessions {
     }
 }
 
-/// The global and per-tenant session slots a connection holds for its whole life.
+/// What a session holds against the gateway's and its tenant's limits, for its whole life: a
+/// session slot (`limits.max_agent_sessions`) and, from its Hello on, its agent's slot under the
+/// tenant's `max_agents` (shared by all sessions of that agent).
 pub struct SessionSlots {
     _global: OwnedSemaphorePermit,
-    _tenant: OwnedSemaphorePermit,
+    /// An agent slot taken before the upgrade for a session that may be its agent's first here.
+    reserved: Option<OwnedSemaphorePermit>,
+    agent: Option<Arc<AgentSlot>>,
 }
 
 impl SessionSlots {
-    /// Takes a slot from both limits, or says which one is full.
-    pub fn reserve(sessions: &Sessions, tenant: &Tenant) -> Result<Self, &'static str> {
-        let tenant_slot =
-            tenant.agent_slots.try_acquire().ok_or("this cluster has reached its agent limit (limits.max_agents)")?;
+    /// Takes a session slot and, unless the agent says it holds a session already (`additional`,
+    /// checked at its Hello), an agent slot of the tenant; or says which limit is full.
+    pub fn reserve(sessions: &Sessions, tenant: &Tenant, additional: bool) -> Result<Self, &'static str> {
+        let reserved = if additional {
+            None
+        } else {
+            Some(tenant.agent_slots.reserve().ok_or("this cluster has reached its agent limit (limits.max_agents)")?)
+        };
         let global_slot = sessions
             .slots
             .clone()
             .try_acquire_owned()
             .map_err(|_| "this gateway has reached its agent session limit (limits.max_agent_sessions)")?;
-        Ok(Self { _global: global_slot, _tenant: tenant_slot })
+        Ok(Self { _global: global_slot, reserved, agent: None })
+    }
+
+    /// Takes `agent_id`'s slot under the tenant's agent limit: its own if it holds one here,
+    /// else the one reserved or a free one.
+    fn claim_agent(&mut self, tenant: &Tenant, agent_id: &str) -> Result<(), SlotRefused> {
+        self.agent = Some(tenant.agent_slots.claim(agent_id, self.reserved.take())?);
+        Ok(())
     }
 }
 
@@ -84,14 +99,13 @@ pub async fn run<T>(
     identity: Identity,
     io: T,
     peer: SocketAddr,
-    slots: SessionSlots,
+    mut slots: SessionSlots,
 ) where
     T: mux::Link,
 {
-    let conn_id = sessions.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let (session, mut incoming, driver) = mux::start(io, Role::Server, &sessions.settings.mux);
     let driver = tokio::spawn(driver);
-    let reason = serve(&sessions, &tenant, identity, &session, &mut incoming, peer, conn_id).await;
+    let reason = serve(&sessions, &tenant, identity, &session, &mut incoming, peer, &mut slots).await;
     session.close();
     match tokio::time::timeout(Duration::from_secs(5), driver).await {
         Ok(Ok(Err(e))) => tracing::info!(tenant = %tenant.name, %peer, error = %e, "agent tunnel ended"),
@@ -109,9 +123,10 @@ async fn serve(
     session: &mux::Session,
     incoming: &mut Incoming,
     peer: SocketAddr,
-    conn_id: u64,
+    slots: &mut SessionSlots,
 ) -> CloseReason {
     let settings = &sessions.settings;
+    let conn_id = sessions.next_conn_id.fetch_add(1, Ordering::Relaxed);
     // Short-lived states are boxed so the session's long-lived future stays small (memory per
     // idle agent).
     let handshake = Box::pin(tokio::time::timeout(settings.handshake_timeout, accept_hello(incoming))).await;
@@ -129,12 +144,17 @@ async fn serve(
 
     let agent_id = match agent_id(&hello, &identity) {
         Ok(id) => id,
-        Err(reason) => return Box::pin(refuse_hello(&mut control, tenant, peer, &reason.to_string())).await,
+        Err(reason) => return Box::pin(refuse_hello(&mut control, tenant, peer, &reason.to_string(), BAD_HELLO)).await,
     };
     let identifiers = match AgentIdentifiers::from_declared(&hello.identifiers, identity.node_name.as_deref()) {
         Ok(ids) => ids,
-        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason.to_string()).await,
+        Err(reason) => return refuse_hello(&mut control, tenant, peer, &reason.to_string(), BAD_HELLO).await,
     };
+    // The tenant's agent limit counts agents: a session of an agent that holds one here shares
+    // its slot, any other takes the one reserved before the upgrade or a free one.
+    if let Err(refused) = slots.claim_agent(tenant, &agent_id) {
+        return Box::pin(refuse_hello(&mut control, tenant, peer, &refused.to_string(), OVER_LIMIT)).await;
+    }
     let mut replicas = sessions.replicas.clone();
     let welcome = ControlMessage::Welcome(Welcome {
         server_id: settings.server_id.clone(),
@@ -327,10 +347,25 @@ fn agent_id(hello: &Hello, identity: &Identity) -> Result<String, BadAgentId> {
     Ok(id.to_owned())
 }
 
-async fn refuse_hello(control: &mut MuxStream, tenant: &Tenant, peer: SocketAddr, reason: &str) -> CloseReason {
-    tracing::info!(tenant = %tenant.name, %peer, reason, "agent Hello refused");
-    metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => "bad_hello").increment(1);
-    let _ = write_frame(control, &StreamResult::refused(ErrorCode::BadRequest, reason), MAX_STREAM_FRAME).await;
+/// A Hello refused for what it says: the error code sent and the `result` label counted.
+const BAD_HELLO: (ErrorCode, &str) = (ErrorCode::BadRequest, "bad_hello");
+/// A Hello refused because a limit is full (as before the upgrade).
+const OVER_LIMIT: (ErrorCode, &str) = (ErrorCode::LimitExceeded, "limit");
+
+async fn refuse_hello(
+    control: &mut MuxStream,
+    tenant: &Tenant,
+    peer: SocketAddr,
+    reason: &str,
+    (code, label): (ErrorCode, &'static str),
+) -> CloseReason {
+    if code == ErrorCode::LimitExceeded {
+        tracing::warn!(tenant = %tenant.name, %peer, reason, "agent refused at its Hello: limit reached");
+    } else {
+        tracing::info!(tenant = %tenant.name, %peer, reason, "agent Hello refused");
+    }
+    metrics::counter!(AGENT_CONNECTS, "tenant" => tenant.name.to_string(), "result" => label).increment(1);
+    let _ = write_frame(control, &StreamResult::refused(code, reason), MAX_STREAM_FRAME).await;
     CloseReason::HandshakeFailed
 }
 

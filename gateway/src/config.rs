@@ -513,7 +513,8 @@ pub enum RoutingStrategy {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantLimits {
-    /// Agent sessions.
+    /// Agents connected to a replica; the sessions of one agent (held and busy ones, up to 32) share
+    /// its slot.
     #[serde(default = "defaults::max_agents")]
     pub max_agents: usize,
     /// Concurrent tunnelled streams across all of the tenant's agents.

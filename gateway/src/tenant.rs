@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -37,8 +37,8 @@ pub struct Tenant {
     pub pending_dials: Limit,
     /// Tunnelled streams open.
     pub streams: Limit,
-    /// Agent sessions connected.
-    pub agent_slots: Limit,
+    /// Agents connected (`limits.max_agents`): one slot per agent, shared by its sessions.
+    pub agent_slots: AgentSlots,
     /// New dials per second.
     pub dial_rate: RateLimit,
     /// Cancelled when the tenant is removed from the configuration.
@@ -63,7 +63,7 @@ impl Tenant {
             name: config.name.as_str().into(),
             pending_dials: Limit::new(limits.max_pending_dials),
             streams: Limit::new(limits.max_streams),
-            agent_slots: Limit::new(limits.max_agents),
+            agent_slots: AgentSlots::new(limits.max_agents),
             dial_rate: RateLimit::new(limits.dials_per_second, limits.dial_burst),
             verifier: ArcSwap::from_pointee(verifier),
             claims: ArcSwap::from_pointee(ClaimPolicy::new(&config.claims)),
@@ -127,6 +127,93 @@ impl Tenant {
                 tracing::warn!(tenant = %self.name, error = %e, "periodic key refresh failed; keeping the cached keys");
             }
         }
+    }
+}
+
+/// Most sessions one agent holds on one replica under its single agent slot: its held and busy
+/// sessions (the agent allows at most 16 of each per replica) and one that lands on a replica it
+/// already holds, before the agent closes it.
+pub const MAX_SESSIONS_PER_AGENT: usize = 32;
+
+type HeldSlots = Arc<Mutex<HashMap<String, Weak<AgentSlot>>>>;
+
+/// The tenant's agent limit (`limits.max_agents`), counted in agents: an agent's first session on
+/// this replica takes a slot, its further sessions (several per replica, busy sessions) share it,
+/// and the slot comes back when the last of them has ended.
+pub struct AgentSlots {
+    limit: Limit,
+    held: HeldSlots,
+}
+
+/// One agent's place under its tenant's agent limit, shared by its sessions on this replica.
+pub struct AgentSlot {
+    agent_id: String,
+    held: HeldSlots,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for AgentSlot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        // A new session of the agent may already have put a slot of its own in this one's place.
+        if held.get(&self.agent_id).is_some_and(|slot| slot.strong_count() == 0) {
+            held.remove(&self.agent_id);
+        }
+    }
+}
+
+/// Why an agent's session gets no slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SlotRefused {
+    /// The tenant has `limits.max_agents` agents connected, this one not among them.
+    #[error("this cluster has reached its agent limit (limits.max_agents)")]
+    Agents,
+    /// The agent holds [`MAX_SESSIONS_PER_AGENT`] sessions here already.
+    #[error("this agent holds as many sessions as one agent may on this gateway replica")]
+    AgentSessions,
+}
+
+impl AgentSlots {
+    /// Room for `max` agents.
+    pub fn new(max: usize) -> Self {
+        Self { limit: Limit::new(max), held: HeldSlots::default() }
+    }
+
+    /// Changes the maximum; agents over a lowered one stay until they leave.
+    pub fn resize(&self, max: usize) {
+        self.limit.resize(max);
+    }
+
+    /// Agents holding a slot now.
+    pub fn agents(&self) -> usize {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner).values().filter(|s| s.strong_count() > 0).count()
+    }
+
+    /// A free slot, taken before the agent has said who it is (before the upgrade, so that a full
+    /// tenant refuses a new agent with 503). [`claim`](Self::claim) hands it to the agent, or
+    /// gives it back when the agent holds a slot already.
+    pub fn reserve(&self) -> Option<OwnedSemaphorePermit> {
+        self.limit.try_acquire()
+    }
+
+    /// The slot of `agent_id` for one more of its sessions: the one it holds when it has a
+    /// session here already (`reserved` then goes back), else `reserved` or a free one.
+    pub fn claim(&self, agent_id: &str, reserved: Option<OwnedSemaphorePermit>) -> Result<Arc<AgentSlot>, SlotRefused> {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(slot) = held.get(agent_id).and_then(Weak::upgrade) {
+            // `slot` is one of the references counted; every session holds one.
+            if Arc::strong_count(&slot) > MAX_SESSIONS_PER_AGENT {
+                // Not dropped under the lock: were it the last reference, its drop would lock.
+                drop(held);
+                drop(slot);
+                return Err(SlotRefused::AgentSessions);
+            }
+            return Ok(slot);
+        }
+        let permit = reserved.or_else(|| self.limit.try_acquire()).ok_or(SlotRefused::Agents)?;
+        let slot = Arc::new(AgentSlot { agent_id: agent_id.to_owned(), held: self.held.clone(), _permit: permit });
+        held.insert(agent_id.to_owned(), Arc::downgrade(&slot));
+        Ok(slot)
     }
 }
 
@@ -448,6 +535,35 @@ mod tests {
         assert!((2..=3).contains(&refilled), "about 2.5 refilled at 10/s in 250 ms: {refilled}");
         limit.resize(0, 1);
         assert!((0..100).all(|_| limit.try_take()), "rate 0 is no limit");
+    }
+
+    #[test]
+    fn an_agents_sessions_share_one_slot_which_comes_back_after_the_last() {
+        use super::{AgentSlots, MAX_SESSIONS_PER_AGENT, SlotRefused};
+        let slots = AgentSlots::new(1);
+        let reserved = slots.reserve().expect("a free slot");
+        assert!(slots.reserve().is_none(), "the only slot is reserved");
+        let first = slots.claim("node-a", Some(reserved)).expect("the reserved slot");
+        // Further sessions of node-a share it, reserved or not; another agent finds none.
+        let second = slots.claim("node-a", None).expect("node-a's own slot");
+        assert_eq!(slots.claim("node-b", None).err(), Some(SlotRefused::Agents));
+        assert_eq!(slots.agents(), 1);
+        drop(first);
+        assert!(slots.claim("node-b", None).is_err(), "node-a still has a session");
+        drop(second);
+        assert_eq!(slots.agents(), 0);
+        let b = slots.claim("node-b", None).expect("node-a's slot came back");
+        // A slot reserved for a session that turns out to be node-b's goes back.
+        slots.resize(2);
+        let reserved = slots.reserve().expect("the second slot");
+        let b2 = slots.claim("node-b", Some(reserved)).expect("node-b's own");
+        assert!(slots.reserve().is_some(), "the reserved slot went back");
+        drop((b, b2));
+        // One agent holds at most MAX_SESSIONS_PER_AGENT sessions under its slot.
+        let many: Vec<_> = (0..MAX_SESSIONS_PER_AGENT).map(|_| slots.claim("node-c", None).expect("room")).collect();
+        assert_eq!(slots.claim("node-c", None).err(), Some(SlotRefused::AgentSessions));
+        drop(many);
+        assert_eq!(slots.agents(), 0);
     }
 
     #[test]

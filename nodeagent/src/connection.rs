@@ -508,7 +508,10 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
         let on_thread = ctx.threads.enabled() && ctx.state.next_on_thread();
         // A busy session beyond the held ones: the held ones carry the agent meanwhile.
         let busy_extra = ctx.state.holds_its_quota();
-        let delay = match establish_session(&ctx, token, on_thread).await {
+        // Not the agent's first session: where it lands next to another, the two share one slot
+        // under the tenant's agent limit.
+        let additional = ctx.state.live_sessions() > 0;
+        let delay = match establish_session(&ctx, token, on_thread, additional).await {
             Ok(established) if ctx.state.is_surplus(&established.welcome.server_id) => {
                 metrics::counter!(CONNECTS, "result" => "duplicate").increment(1);
                 tracing::debug!(server = %established.welcome.server_id, "landed on a replica already held; dialing again");
@@ -624,14 +627,15 @@ async fn establish_session(
     ctx: &Arc<ConnectionContext>,
     token: String,
     on_thread: bool,
+    additional: bool,
 ) -> Result<Established, EstablishError> {
     let Some(threads) = ctx.threads.get().filter(|_| on_thread) else {
-        return establish(ctx, token).await.map(|(established, _driver)| established);
+        return establish(ctx, token, additional).await.map(|(established, _driver)| established);
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let on_thread = ctx.clone();
     threads.spawn(async move {
-        match establish(&on_thread, token).await {
+        match establish(&on_thread, token, additional).await {
             Ok((established, driver)) => {
                 if tx.send(Ok(established)).is_ok() {
                     // The thread counts the session while its driver runs.
@@ -651,8 +655,9 @@ async fn establish_session(
 async fn establish(
     ctx: &ConnectionContext,
     token: String,
+    additional: bool,
 ) -> Result<(Established, tokio::task::JoinHandle<()>), EstablishError> {
-    let ws = client::connect(&ctx.client, Some(&token)).await?;
+    let ws = client::connect_session(&ctx.client, Some(&token), additional).await?;
     let (session, incoming, driver) = mux::start(ws, Role::Client, &ctx.mux);
     let driver = tokio::spawn(async move {
         if let Err(e) = driver.await {

@@ -17,7 +17,7 @@ use tokio_rustls::TlsConnector;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
-use crate::protocol::SUBPROTOCOL;
+use crate::protocol::{ADDITIONAL_SESSION, SESSION_HEADER, SUBPROTOCOL};
 use crate::proxy::{self, ProxyError, ProxySettings};
 use crate::transport::Transport;
 use crate::ws::WsSettings;
@@ -121,6 +121,17 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 /// Dials the gateway and returns the tunnel's WebSocket link.
 pub async fn connect(settings: &ClientSettings, bearer_token: Option<&str>) -> Result<WsLink<Transport>, ConnectError> {
+    connect_session(settings, bearer_token, false).await
+}
+
+/// Like [`connect`]; `additional` says that the agent holds a session already (the
+/// `Tether-Session: additional` header), so that the gateway lets its sessions share one agent
+/// slot under the tenant's limit.
+pub async fn connect_session(
+    settings: &ClientSettings,
+    bearer_token: Option<&str>,
+    additional: bool,
+) -> Result<WsLink<Transport>, ConnectError> {
     let (host, port, tls) = target(&settings.url)?;
     let addr = format!("{host}:{port}");
     let bare_host = host.trim_start_matches('[').trim_end_matches(']');
@@ -153,7 +164,7 @@ pub async fn connect(settings: &ClientSettings, bearer_token: Option<&str>) -> R
         } else {
             Transport::Plain(tcp)
         };
-        upgrade(settings, transport, bearer_token, &addr).await
+        upgrade(settings, transport, bearer_token, additional, &addr).await
     };
     tokio::time::timeout(settings.handshake_timeout, handshake).await.map_err(|_| ConnectError::Timeout {
         stage: "TLS and WebSocket handshake",
@@ -166,9 +177,13 @@ async fn upgrade(
     settings: &ClientSettings,
     transport: Transport,
     bearer_token: Option<&str>,
+    additional: bool,
     addr: &str,
 ) -> Result<WsLink<Transport>, ConnectError> {
     let mut request = upgrade_request(settings, bearer_token)?;
+    if additional {
+        request.headers_mut().insert(SESSION_HEADER, HeaderValue::from_static(ADDITIONAL_SESSION));
+    }
     if let Some(name) = &settings.tls_server_name
         && let Ok(value) = HeaderValue::from_str(name)
     {

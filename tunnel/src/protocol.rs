@@ -19,6 +19,13 @@ use serde::{Deserialize, Serialize};
 pub const SUBPROTOCOL: &str = "tether.v1";
 /// The HTTP path of the agent endpoint on the gateway.
 pub const TUNNEL_PATH: &str = "/v1/tunnel";
+/// Upgrade request header by which an agent that holds a session already says so
+/// ([`ADDITIONAL_SESSION`]): the gateway then takes no agent slot of the tenant before the upgrade,
+/// and checks at the Hello that the agent holds one on this replica (its sessions share it) or
+/// that one is free.
+pub const SESSION_HEADER: &str = "tether-session";
+/// The value of [`SESSION_HEADER`] for a session beyond the agent's first.
+pub const ADDITIONAL_SESSION: &str = "additional";
 /// The protocol version carried in the control stream's open frame.
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest stream open or stream result frame, length prefix excluded.

@@ -297,6 +297,73 @@ async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
     fleet.shutdown().await;
 }
 
+/// `max_agents` counts agents, not sessions: an agent that holds two sessions
+/// (`pool.sessions_per_replica: 2`; busy sessions alike) takes one of the tenant's agent slots.
+/// Another agent is refused - before the upgrade, or at its Hello when it says it holds a session
+/// already but holds none here - and gets in once the first agent's last session has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_with_several_sessions_takes_one_agent_slot() {
+    use tether_tunnel::framed::{read_frame, write_frame};
+    use tether_tunnel::mux::{self, MuxSettings, Role};
+    use tether_tunnel::protocol::{
+        ControlMessage, ControlOpen, ErrorCode, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen,
+        StreamResult,
+    };
+    let fleet = Fleet::start(&["one"], &[serde_json::json!({ "max_agents": 1 })]).await;
+    let x = echo_server().await;
+    let mut config = fleet.agent_config(0, "node-a", x, Duration::from_secs(3600));
+    config.gateway.pool.sessions_per_replica = 2;
+    let a = RunningAgent::start(config).await;
+    assert!(
+        tether_e2e::bins::eventually(Duration::from_secs(10), async || a.state.live_sessions() == 2).await,
+        "node-a holds both of its sessions"
+    );
+    assert_eq!(fleet.handle.sessions()["one"], 2);
+    assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+
+    let settings = client_settings(&fleet, "one.tether.local");
+    let token = fleet.issuers[0]
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some("node-b"))
+        .unwrap();
+    match tether_tunnel::client::connect(&settings, Some(&token)).await {
+        Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => {
+            assert_eq!(status, 503);
+            assert!(reason.contains("agent limit"), "{reason}");
+        }
+        other => panic!("expected 503, got {:?}", other.map(|_| ())),
+    }
+    // Saying "additional" gets node-b past the upgrade, not past its Hello.
+    let ws = tether_tunnel::client::connect_session(&settings, Some(&token), true).await.unwrap();
+    let (session, _incoming, driver) = mux::start(ws, Role::Client, &MuxSettings::default());
+    tokio::spawn(driver);
+    let mut control = session.open().await.unwrap();
+    write_frame(&mut control, &StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME).await.unwrap();
+    let hello = ControlMessage::Hello(Hello {
+        agent_id: "node-b".into(),
+        version: "test".into(),
+        identifiers: Identifiers::default(),
+        capabilities: vec![],
+    });
+    write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.unwrap();
+    let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.unwrap();
+    assert_eq!(result.code, Some(ErrorCode::LimitExceeded), "{result:?}");
+    assert!(result.message.unwrap_or_default().contains("agent limit"));
+    session.close();
+    let metrics = fleet.metrics().await;
+    assert!(
+        metric_sum(&metrics, "tether_gateway_agent_connects_total", "tenant=\"one\",result=\"limit\"") >= 2.0,
+        "{metrics}"
+    );
+
+    // node-a leaves; once both its sessions have ended, its slot is node-b's.
+    a.stop().await;
+    let b = RunningAgent::start(fleet.agent_config(0, "node-b", x, Duration::from_secs(3600))).await;
+    assert!(b.wait_live(Duration::from_secs(10)).await);
+    assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
+    b.stop().await;
+    fleet.shutdown().await;
+}
+
 /// One tenant's runaway client hits its own stream cap (503) and dial rate (429, `Retry-After`)
 /// while another tenant on the same gateway dials at full speed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
