@@ -13,8 +13,8 @@ use tether_tunnel::client::{self, ClientSettings, ConnectError};
 use tether_tunnel::framed::{FrameError, forward_frames, read_frame, write_frame};
 use tether_tunnel::mux::{self, Incoming, MuxSettings, MuxStream, Role, Session};
 use tether_tunnel::protocol::{
-    ControlMessage, ControlOpen, Hello, Identifiers, Leaving, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, PROTOCOL_VERSION,
-    StreamOpen, StreamResult, TokenRefresh, Welcome,
+    ControlMessage, ControlOpen, ErrorCode, Hello, Identifiers, Leaving, MAX_CONTROL_FRAME, MAX_STREAM_FRAME,
+    PROTOCOL_VERSION, StreamOpen, StreamResult, TokenRefresh, Welcome,
 };
 use tether_tunnel::session_threads::SessionThreads;
 use tokio::io::WriteHalf;
@@ -407,7 +407,14 @@ pub enum EstablishError {
     /// The handshake on the control stream failed.
     #[error("handshake with the gateway failed: {0}")]
     Handshake(String),
+    /// The gateway refused the Hello because a limit is full (the tenant's agents).
+    #[error("the gateway refused the session: {0}")]
+    AtLimit(String),
 }
+
+/// How long an agent refused at its Hello for a full limit waits before it dials again, at least:
+/// what the gateway's `Retry-After` says when it refuses before the upgrade.
+const AT_LIMIT_RETRY: Duration = Duration::from_secs(5);
 
 impl EstablishError {
     fn label(&self) -> &'static str {
@@ -421,6 +428,7 @@ impl EstablishError {
             Self::Connect(ConnectError::Tcp { .. }) => "tcp",
             Self::Connect(_) => "connect_error",
             Self::Handshake(_) => "handshake",
+            Self::AtLimit(_) => "rejected",
         }
     }
 }
@@ -565,6 +573,9 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                     // plus up to a fifth more so its refused agents do not come back together.
                     delay = delay.max(asked + asked.mul_f64(fastrand::f64() / 5.0));
                 }
+                if matches!(e, EstablishError::AtLimit(_)) {
+                    delay = delay.max(AT_LIMIT_RETRY + AT_LIMIT_RETRY.mul_f64(fastrand::f64() / 5.0));
+                }
                 if matches!(
                     &e,
                     EstablishError::Connect(ConnectError::Proxy(
@@ -665,31 +676,36 @@ async fn establish(
         }
     });
     let handshake = async {
-        let mut control = session.open().await.map_err(|e| e.to_string())?;
+        let failed = |e: &dyn std::fmt::Display| EstablishError::Handshake(e.to_string());
+        let mut control = session.open().await.map_err(|e| failed(&e))?;
         let open = StreamOpen::Control(ControlOpen { version: PROTOCOL_VERSION });
-        write_frame(&mut control, &open, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+        write_frame(&mut control, &open, MAX_STREAM_FRAME).await.map_err(|e| failed(&e))?;
         let hello = ControlMessage::Hello(Hello {
             agent_id: ctx.agent_id.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
             identifiers: ctx.identifiers.clone(),
             capabilities: vec![],
         });
-        write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.map_err(|e| e.to_string())?;
-        let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.map_err(|e| e.to_string())?;
+        write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.map_err(|e| failed(&e))?;
+        let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.map_err(|e| failed(&e))?;
         if !result.ok {
-            return Err(format!("gateway refused the Hello: {}", result.message.unwrap_or_default()));
+            let message = result.message.unwrap_or_default();
+            if result.code == Some(ErrorCode::LimitExceeded) {
+                return Err(EstablishError::AtLimit(message));
+            }
+            return Err(EstablishError::Handshake(format!("gateway refused the Hello: {message}")));
         }
         match read_frame::<ControlMessage, _>(&mut control, MAX_CONTROL_FRAME).await {
             Ok(ControlMessage::Welcome(welcome)) => Ok((control, welcome)),
-            Ok(other) => Err(format!("expected Welcome, got {other:?}")),
-            Err(e) => Err(e.to_string()),
+            Ok(other) => Err(EstablishError::Handshake(format!("expected Welcome, got {other:?}"))),
+            Err(e) => Err(EstablishError::Handshake(e.to_string())),
         }
     };
     match tokio::time::timeout(ctx.client.handshake_timeout, handshake).await {
         Ok(Ok((control, welcome))) => Ok((Established { session, incoming, control, welcome, token }, driver)),
         Ok(Err(e)) => {
             session.close();
-            Err(EstablishError::Handshake(e))
+            Err(e)
         }
         Err(_) => {
             session.close();

@@ -39,6 +39,8 @@ struct Cluster {
     running: Vec<Option<Process>>,
     /// How often replicas refresh each other's inventories.
     refresh_interval: &'static str,
+    /// The tenant's `limits`.
+    tenant_limits: serde_json::Value,
     /// Agents connect here (TLS passed through, round robin).
     agent_lb: SocketAddr,
     /// CONNECT dials go here (round robin, only to ready replicas).
@@ -54,6 +56,16 @@ impl Cluster {
 
     /// Like [`start`](Self::start), with peers refreshing inventories every `refresh_interval`.
     async fn start_with(total: usize, running: usize, refresh_interval: &'static str) -> Self {
+        Self::start_limited(total, running, refresh_interval, serde_json::json!({})).await
+    }
+
+    /// Like [`start_with`](Self::start_with), with the tenant's `limits`.
+    async fn start_limited(
+        total: usize,
+        running: usize,
+        refresh_interval: &'static str,
+        tenant_limits: serde_json::Value,
+    ) -> Self {
         let dir = ScratchDir::new("tether-ha").unwrap();
         let ca = DevCa::create(dir.path(), "ha").unwrap();
         let cert = ca.server("gateway", &["ha.tether.local"]).unwrap();
@@ -94,6 +106,7 @@ impl Cluster {
             replicas,
             running: (0..total).map(|_| None).collect(),
             refresh_interval,
+            tenant_limits,
             agent_lb,
             connect_lb,
             _haproxy: haproxy,
@@ -125,6 +138,7 @@ impl Cluster {
                 "hosts": ["ha.tether.local"],
                 "auth": { "issuer": self.issuer.issuer, "audiences": [AUDIENCE], "jwks_file": self.issuer.jwks_file },
                 "frontend": { "tcp": { "listen": r.frontend.to_string() } },
+                "limits": self.tenant_limits,
             }],
         })
     }
@@ -488,6 +502,56 @@ async fn an_aborted_download_forwarded_through_a_peer_replica_frees_everything()
         10.0,
         "the dials were forwarded"
     );
+}
+
+/// A tenant's `max_agents` counts agents on each replica. An agent that holds a session on one
+/// replica says so when it dials for another; where the tenant is full the replica refuses it at
+/// its Hello (after the upgrade, where the agent's id is known), and the agent waits as after a
+/// 503 - seconds, not its reconnect backoff - while its other session carries its traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_refused_at_its_hello_for_a_full_tenant_waits_and_keeps_its_other_session() {
+    let mut cluster = Cluster::start_limited(2, 1, "300ms", serde_json::json!({ "max_agents": 1 })).await;
+    let (x, y) = (echo_server().await, echo_server().await);
+    // node-a takes gw-0's only agent slot (the only replica up), with a single session in all.
+    let a = cluster.agent("node-a", x, "one").await;
+    assert!(eventually(Duration::from_secs(10), async || a.state.server_ids() == ["gw-0"]).await);
+    cluster.start_replica(1).await;
+    // node-b wants a session to each replica; it gets gw-1's slot, never gw-0's.
+    let b = cluster.agent("node-b", y, "all").await;
+    assert!(
+        eventually(Duration::from_secs(20), async || b.state.server_ids() == ["gw-1"]).await,
+        "{}",
+        cluster.diagnostics()
+    );
+    let gw0 = cluster.replicas[0].admin;
+    let hello_refusals = || cluster.running[0].as_ref().map(|p| p.log_text().matches("refused at its Hello").count());
+    assert!(
+        eventually(Duration::from_secs(10), async || hello_refusals() >= Some(1)).await,
+        "gw-0 refuses node-b at its Hello: {}",
+        cluster.diagnostics()
+    );
+    // Paced: at most one more refusal in 4 s (the agent waits 5-6 s; its backoff is 100 ms-1 s).
+    let before = hello_refusals();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = hello_refusals();
+    assert!(after <= before.map(|n| n + 1), "refusals {before:?} -> {after:?}");
+    let (_, metrics) = http_get(gw0, "/metrics").await.unwrap();
+    assert!(metric_sum(&metrics, "tether_gateway_agent_connects_total", "result=\"limit\"") >= 1.0, "{metrics}");
+    assert_eq!(b.state.server_ids(), ["gw-1"], "node-b kept its session to gw-1");
+    // Both nodes are reached through either replica (a peer's inventory within its refresh).
+    for replica in cluster.running_replicas() {
+        for target in [x, y] {
+            let echoed = eventually(Duration::from_secs(5), async || {
+                let Ok(Ok(mut tunnel)) = connect_tcp(replica.frontend, &target.to_string()).await else { return false };
+                let mut got = [0u8; 2];
+                tunnel.write_all(b"hi").await.is_ok() && tunnel.read_exact(&mut got).await.is_ok() && &got == b"hi"
+            })
+            .await;
+            assert!(echoed, "{target} through {}: {}", replica.frontend, cluster.diagnostics());
+        }
+    }
+    a.stop().await;
+    b.stop().await;
 }
 
 /// A node whose agent keeps a single session (`pool.mode: one`) moves to another replica in a
