@@ -6,10 +6,9 @@ use tether_loadtest::connect_client::connect_tcp;
 use tether_loadtest::local::AUDIENCE;
 use tether_tunnel::client;
 use tether_tunnel::framed::{read_frame, write_frame};
-use tether_tunnel::mux::{self, MuxSettings, Role};
+use tether_tunnel::mux;
 use tether_tunnel::protocol::{
-    ControlMessage, ControlOpen, ErrorCode, ForwardRequest, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME,
-    StreamOpen, StreamResult,
+    ControlMessage, ErrorCode, ForwardRequest, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen, StreamResult,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -48,18 +47,7 @@ async fn raw_agent(
         .service_account_token("kube-system", "raw", AUDIENCE, Duration::from_secs(600), None)
         .unwrap();
     let ws = client::connect(&settings, Some(&token)).await.unwrap();
-    let (session, incoming, driver) = mux::start(ws, Role::Client, &MuxSettings::default());
-    tokio::spawn(driver);
-    let mut control = session.open().await.unwrap();
-    write_frame(&mut control, &StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME).await.unwrap();
-    let hello = ControlMessage::Hello(Hello {
-        agent_id: "raw".into(),
-        version: "test".into(),
-        identifiers: Identifiers::default(),
-        capabilities: vec![],
-    });
-    write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.unwrap();
-    let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.unwrap();
+    let (session, incoming, mut control, result) = crate::support::hello_as(ws, "raw").await;
     assert!(result.ok);
     let welcome: ControlMessage = read_frame(&mut control, MAX_CONTROL_FRAME).await.unwrap();
     assert!(matches!(welcome, ControlMessage::Welcome(_)));

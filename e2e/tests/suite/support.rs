@@ -9,6 +9,38 @@ use tether_loadtest::backends;
 use tether_loadtest::local::{AgentSpec, LocalDeployment, LocalOptions, allow};
 use tokio::net::TcpListener;
 
+/// Starts a session like an agent on `link`: opens the control stream and sends a Hello as
+/// `agent_id`; returns the session, its inbound streams, the control stream and the gateway's
+/// answer to the Hello (a Welcome follows on the control stream when it is ok).
+pub async fn hello_as(
+    link: tether_tunnel::ws_link::WsLink<tether_tunnel::transport::Transport>,
+    agent_id: &str,
+) -> (
+    tether_tunnel::mux::Session,
+    tether_tunnel::mux::Incoming,
+    tether_tunnel::mux::MuxStream,
+    tether_tunnel::protocol::StreamResult,
+) {
+    use tether_tunnel::framed::{read_frame, write_frame};
+    use tether_tunnel::mux::{self, MuxSettings, Role};
+    use tether_tunnel::protocol::{
+        ControlMessage, ControlOpen, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen,
+    };
+    let (session, incoming, driver) = mux::start(link, Role::Client, &MuxSettings::default());
+    tokio::spawn(driver);
+    let mut control = session.open().await.unwrap();
+    write_frame(&mut control, &StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME).await.unwrap();
+    let hello = ControlMessage::Hello(Hello {
+        agent_id: agent_id.into(),
+        version: "test".into(),
+        identifiers: Identifiers::default(),
+        capabilities: vec![],
+    });
+    write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.unwrap();
+    let result = read_frame(&mut control, MAX_STREAM_FRAME).await.unwrap();
+    (session, incoming, control, result)
+}
+
 /// Binds a node-side server on a loopback address of its own (127.0.x.y), distinct from every
 /// other one this test process handed out: agents claim their node's address exclusively, so two
 /// nodes drawn onto one address would route one node's dials to the other.

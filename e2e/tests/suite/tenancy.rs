@@ -191,6 +191,27 @@ fn client_settings(fleet: &Fleet, host: &str) -> tether_tunnel::client::ClientSe
     }
 }
 
+/// Dials `fleet`'s tenant `index` as a new agent `node` and expects 503 for its agent limit;
+/// returns the settings and the token used.
+async fn refused_for_the_agent_limit(
+    fleet: &Fleet,
+    index: usize,
+    node: &str,
+) -> (tether_tunnel::client::ClientSettings, String) {
+    let settings = client_settings(fleet, &format!("{}.tether.local", fleet.config.tenants[index].name));
+    let token = fleet.issuers[index]
+        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some(node))
+        .unwrap();
+    match tether_tunnel::client::connect(&settings, Some(&token)).await {
+        Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => {
+            assert_eq!(status, 503);
+            assert!(reason.contains("agent limit"), "{reason}");
+        }
+        other => panic!("expected 503, got {:?}", other.map(|_| ())),
+    }
+    (settings, token)
+}
+
 /// A TCP address whose connects hang: a listener with a full accept queue that never accepts.
 async fn hanging_target() -> ((tokio::net::TcpListener, Vec<tokio::net::TcpStream>), SocketAddr) {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
@@ -263,17 +284,7 @@ async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
     assert!(other.wait_live(Duration::from_secs(10)).await);
 
     // A second agent for "small" is refused before the upgrade: 503 with Retry-After.
-    let settings = client_settings(&fleet, "small.tether.local");
-    let token = fleet.issuers[0]
-        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some("small-2"))
-        .unwrap();
-    match tether_tunnel::client::connect(&settings, Some(&token)).await {
-        Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => {
-            assert_eq!(status, 503);
-            assert!(reason.contains("agent limit"), "{reason}");
-        }
-        other => panic!("expected 503, got {:?}", other.map(|_| ())),
-    }
+    refused_for_the_agent_limit(&fleet, 0, "small-2").await;
 
     // One dial to a target that never answers holds small's only pending-dial slot...
     let frontend = fleet.frontends[0];
@@ -303,12 +314,7 @@ async fn tenant_limits_refuse_with_a_reason_while_other_tenants_work() {
 /// already but holds none here - and gets in once the first agent's last session has ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_with_several_sessions_takes_one_agent_slot() {
-    use tether_tunnel::framed::{read_frame, write_frame};
-    use tether_tunnel::mux::{self, MuxSettings, Role};
-    use tether_tunnel::protocol::{
-        ControlMessage, ControlOpen, ErrorCode, Hello, Identifiers, MAX_CONTROL_FRAME, MAX_STREAM_FRAME, StreamOpen,
-        StreamResult,
-    };
+    use tether_tunnel::protocol::ErrorCode;
     let fleet = Fleet::start(&["one"], &[serde_json::json!({ "max_agents": 1 })]).await;
     let x = echo_server().await;
     let mut config = fleet.agent_config(0, "node-a", x, Duration::from_secs(3600));
@@ -321,31 +327,10 @@ async fn an_agent_with_several_sessions_takes_one_agent_slot() {
     assert_eq!(fleet.handle.sessions()["one"], 2);
     assert_eq!(echo_via(fleet.frontends[0], x).await, Ok(()));
 
-    let settings = client_settings(&fleet, "one.tether.local");
-    let token = fleet.issuers[0]
-        .service_account_token("kube-system", "tether-agent", AUDIENCE, Duration::from_secs(600), Some("node-b"))
-        .unwrap();
-    match tether_tunnel::client::connect(&settings, Some(&token)).await {
-        Err(tether_tunnel::client::ConnectError::Rejected { status, reason, .. }) => {
-            assert_eq!(status, 503);
-            assert!(reason.contains("agent limit"), "{reason}");
-        }
-        other => panic!("expected 503, got {:?}", other.map(|_| ())),
-    }
+    let (settings, token) = refused_for_the_agent_limit(&fleet, 0, "node-b").await;
     // Saying "additional" gets node-b past the upgrade, not past its Hello.
     let ws = tether_tunnel::client::connect_session(&settings, Some(&token), true).await.unwrap();
-    let (session, _incoming, driver) = mux::start(ws, Role::Client, &MuxSettings::default());
-    tokio::spawn(driver);
-    let mut control = session.open().await.unwrap();
-    write_frame(&mut control, &StreamOpen::Control(ControlOpen { version: 1 }), MAX_STREAM_FRAME).await.unwrap();
-    let hello = ControlMessage::Hello(Hello {
-        agent_id: "node-b".into(),
-        version: "test".into(),
-        identifiers: Identifiers::default(),
-        capabilities: vec![],
-    });
-    write_frame(&mut control, &hello, MAX_CONTROL_FRAME).await.unwrap();
-    let result: StreamResult = read_frame(&mut control, MAX_STREAM_FRAME).await.unwrap();
+    let (session, _incoming, _control, result) = crate::support::hello_as(ws, "node-b").await;
     assert_eq!(result.code, Some(ErrorCode::LimitExceeded), "{result:?}");
     assert!(result.message.unwrap_or_default().contains("agent limit"));
     session.close();
