@@ -8,7 +8,8 @@ use std::time::Duration;
 use tether_agent::config::{ListenerConfig, PoolConfig};
 use tether_e2e::bins::{http_get, metric_sum};
 use tether_e2e::checksum::Checksum;
-use tether_gateway::config::{ForwardTarget, NodeToControlPlane, TenantLimits};
+use tether_gateway::GatewayConfig;
+use tether_gateway::config::{ForwardTarget, NodeToControlPlane};
 use tether_loadtest::backends;
 use tether_loadtest::local::{LocalDeployment, LocalOptions, loopback};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -47,7 +48,7 @@ async fn deployment_with(
     allowed: Option<Vec<ForwardTarget>>,
     max_connections: usize,
     pool: impl Fn(&mut PoolConfig) + Send + Sync + 'static,
-    limits: impl FnOnce(&mut TenantLimits) + Send + 'static,
+    gateway: impl FnOnce(&mut GatewayConfig) + Send + 'static,
 ) -> LocalDeployment {
     let names: Vec<String> = listeners.iter().map(|s| (*s).to_owned()).collect();
     let deployment = LocalDeployment::start(LocalOptions {
@@ -61,7 +62,7 @@ async fn deployment_with(
         }],
         tweak_gateway: Some(Box::new(move |config| {
             config.tenants[0].node_to_controlplane = allowed.map(|targets| NodeToControlPlane { targets });
-            limits(&mut config.tenants[0].limits);
+            gateway(config);
         })),
         tweak_agent: Some(Arc::new(move |_, config| {
             config.forward_wait = Duration::from_secs(10).into();
@@ -274,9 +275,10 @@ async fn bulk_traffic_brings_a_second_session_that_retires_when_the_agent_is_qui
     d.shutdown().await;
 }
 
-/// A busy session the gateway refuses (the tenant is at `limits.max_agents`, which counts
-/// sessions) is no outage: the agent stays ready on its held session, reports no connection error,
-/// keeps carrying its traffic, and the refusal is counted at the gateway.
+/// A busy session the gateway refuses (it is at `limits.max_agent_sessions`, which counts
+/// sessions; a tenant's `max_agents` counts agents and would admit it) is no outage: the agent
+/// stays ready on its held session, reports no connection error, keeps carrying its traffic, and
+/// the refusal is counted at the gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_session_refused_at_the_session_limit_leaves_the_agent_ready() {
     let control_plane = echo_server().await;
@@ -286,7 +288,7 @@ async fn a_busy_session_refused_at_the_session_limit_leaves_the_agent_ready() {
         Some(vec![target("kube-apiserver", control_plane)]),
         4096,
         |p| p.busy_mib_per_second = 2,
-        |limits| limits.max_agents = 1,
+        |config| config.limits.max_agent_sessions = 1,
     )
     .await;
     let agent = &deployment.agents[0];
