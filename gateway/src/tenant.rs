@@ -185,7 +185,8 @@ impl AgentSlots {
     }
 
     /// Agents holding a slot now.
-    pub fn agents(&self) -> usize {
+    #[cfg(test)]
+    fn agents(&self) -> usize {
         self.held.lock().unwrap_or_else(PoisonError::into_inner).values().filter(|s| s.strong_count() > 0).count()
     }
 

@@ -417,6 +417,16 @@ pub enum EstablishError {
 const AT_LIMIT_RETRY: Duration = Duration::from_secs(5);
 
 impl EstablishError {
+    /// How long the gateway asked the agent to wait before it dials again: its `Retry-After`, or
+    /// [`AT_LIMIT_RETRY`] when it refused the Hello for a full limit.
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Connect(c) => c.retry_after(),
+            Self::AtLimit(_) => Some(AT_LIMIT_RETRY),
+            Self::Handshake(_) => None,
+        }
+    }
+
     fn label(&self) -> &'static str {
         match self {
             Self::Connect(e) if e.is_unauthorized() => "unauthorized",
@@ -566,15 +576,10 @@ pub async fn maintain(ctx: Arc<ConnectionContext>, stop: CancellationToken) {
                 metrics::counter!(CONNECTS, "result" => e.label()).increment(1);
                 let mut delay = backoff.next_delay();
                 let mut busy_dial_failed = false;
-                if let EstablishError::Connect(c) = &e
-                    && let Some(asked) = c.retry_after()
-                {
+                if let Some(asked) = e.retry_after() {
                     // The gateway said when (a limit, a drain, a TokenReview outage): not sooner,
                     // plus up to a fifth more so its refused agents do not come back together.
                     delay = delay.max(asked + asked.mul_f64(fastrand::f64() / 5.0));
-                }
-                if matches!(e, EstablishError::AtLimit(_)) {
-                    delay = delay.max(AT_LIMIT_RETRY + AT_LIMIT_RETRY.mul_f64(fastrand::f64() / 5.0));
                 }
                 if matches!(
                     &e,
