@@ -215,6 +215,17 @@ impl LocalDeployment {
         if let Some(tweak) = options.tweak_gateway.take() {
             tweak(&mut config);
         }
+        // What is left on port 0 gets a port below the ephemeral range: a restarted gateway binds
+        // the same addresses again, and a port of that range can go to any outgoing connection
+        // while the gateway is down.
+        for addr in std::iter::once(&mut config.listen.agents)
+            .chain(std::iter::once(&mut config.listen.admin))
+            .chain(config.tenants.iter_mut().filter_map(|t| t.frontend.tcp.as_mut()).map(|tcp| &mut tcp.listen))
+        {
+            if addr.port() == 0 {
+                *addr = crate::procs::free_loopback()?;
+            }
+        }
         let problems = config.validate();
         anyhow::ensure!(problems.is_empty(), "local gateway configuration: {problems:?}");
         let metrics = tether_tunnel::telemetry::install_metrics().ok();
