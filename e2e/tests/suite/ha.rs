@@ -651,6 +651,11 @@ async fn every_agent_of_a_draining_replica_is_told_to_move() {
 /// After a replica's drain message, its agents do not all redial in the same instant: each waits
 /// a random pause within `pool.drain_reconnect_window` (here 2 s), so their first dials after the
 /// drain spread over most of the window (at once, they would all fall within a few ms).
+///
+/// The draining replica's inventory says so at once, and the other replica tells its agents the
+/// replica count fell to 1 within its next refresh (300 ms). On a loaded machine that can reach an
+/// agent before the drain message does; such an agent already holds all the sessions it wants and
+/// rightly never redials. Every agent must redial or have learned that count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_replicas_agents_spread_their_redials() {
     let mut cluster = Cluster::start(2, 2).await;
@@ -678,8 +683,16 @@ async fn a_drained_replicas_agents_spread_their_redials() {
         first
     });
     cluster.stop_replica(0).await;
-    let first: Vec<_> = watcher.await.unwrap().into_iter().flatten().collect();
-    assert_eq!(first.len(), 20, "every agent dials again after the drain");
+    let first = watcher.await.unwrap();
+    for ((agent, _), dialed) in agents.iter().zip(&first) {
+        let count = agent.state.server_count();
+        assert!(
+            dialed.is_some() || count == 1,
+            "an agent neither dialed again after the drain nor learned that one replica is left (count {count})"
+        );
+    }
+    let first: Vec<_> = first.into_iter().flatten().collect();
+    assert!(first.len() >= 15, "only {} of 20 agents dialed again after the drain", first.len());
     let (earliest, latest) = (first.iter().min().unwrap(), first.iter().max().unwrap());
     let spread = latest.duration_since(*earliest);
     assert!(spread >= Duration::from_millis(800), "redials fell within {spread:?} of each other");
