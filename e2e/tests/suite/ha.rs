@@ -655,7 +655,8 @@ async fn every_agent_of_a_draining_replica_is_told_to_move() {
 /// The draining replica's inventory says so at once, and the other replica tells its agents the
 /// replica count fell to 1 within its next refresh (300 ms). On a loaded machine that can reach an
 /// agent before the drain message does; such an agent already holds all the sessions it wants and
-/// rightly never redials. Every agent must redial or have learned that count.
+/// rightly never redials. Every agent must redial, or have learned that count and hold every
+/// session it wants.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_replicas_agents_spread_their_redials() {
     let mut cluster = Cluster::start(2, 2).await;
