@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use tether_tunnel::untrusted::printable;
 
+use tether_tunnel::bulk_window::BulkWindow;
 use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::write_frame;
 use tether_tunnel::mux::MuxStream;
@@ -60,7 +61,7 @@ pub async fn serve(mut stream: MuxStream, tenant: &Tenant, requested: &str, agen
     metrics::counter!(FORWARDS, "tenant" => tenant.name.to_string(), "target" => label.clone(), "result" => result_label)
         .increment(1);
     let (mut upstream, _permit) = match outcome {
-        Ok(connected) => connected,
+        Ok((upstream, permit)) => (BulkWindow::new(upstream), permit),
         Err(refusal) => {
             tracing::info!(
                 tenant = %tenant.name,

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tether_tunnel::untrusted::printable;
 
+use tether_tunnel::bulk_window::BulkWindow;
 use tether_tunnel::connect::{AllowedConnectError, connect_allowed};
 use tether_tunnel::framed::{read_raw_frame, write_frame};
 use tether_tunnel::mux::MuxStream;
@@ -71,7 +72,7 @@ pub async fn serve_stream(mut stream: MuxStream, policy: Arc<DialPolicy>) {
     };
     metrics::histogram!(DIAL_DURATION).record(started.elapsed().as_secs_f64());
     let mut target = match outcome {
-        Ok(target) => target,
+        Ok(target) => BulkWindow::new(target),
         Err(refusal) => {
             let label = refusal.code.map(|c| c.as_str()).unwrap_or("other");
             metrics::counter!(DIALS, "result" => label).increment(1);

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use tether_tunnel::bulk_window::BulkWindow;
 use tether_tunnel::framed::{read_frame, write_frame};
 use tether_tunnel::mux::MuxStream;
 use tether_tunnel::protocol::{ForwardRequest, MAX_STREAM_FRAME, StreamOpen, StreamResult};
@@ -207,7 +208,7 @@ async fn forward(
     };
     picked.session.spawn_local(ctx.tasks.track_future(async move {
         // Registered with the I/O driver of the thread that runs the session's task.
-        let mut client = match client {
+        let client = match client {
             ClientSocket::Here(client) => client,
             ClientSocket::Moving(client) => match TcpStream::from_std(client) {
                 Ok(client) => client,
@@ -217,6 +218,7 @@ async fn forward(
                 }
             },
         };
+        let mut client = BulkWindow::new(client);
         open.increment(1.0);
         let copied = splice_mux(&mut client, &mut stream, |direction, n| match direction {
             Direction::AToB => to_cp.increment(n as u64),

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod bulk_window;
 pub mod cli;
 pub mod client;
 pub mod connect;
