@@ -3,9 +3,10 @@
 //! Layers, bottom up: [`transport`] (TCP or TLS), [`ws`] (WebSocket as a byte stream, with
 //! keepalive), [`mux`] (independent flow-controlled streams), [`protocol`] and [`framed`] (the
 //! frames that open each stream and the control messages), [`splice`] (moving bytes between a
-//! stream and a socket). [`client`] dials a gateway through all of them; [`session_threads`] gives
-//! sessions a thread each; [`tls`], [`backoff`], [`duration`], [`settings`] and [`telemetry`] are
-//! shared plumbing. No gateway or agent policy lives here.
+//! stream and a socket; [`bulk_window`] gives the socket on the local side a larger receive buffer
+//! once it carries bulk data). [`client`] dials a gateway through all of them; [`session_threads`]
+//! gives sessions a thread each; [`tls`], [`backoff`], [`duration`], [`settings`] and [`telemetry`]
+//! are shared plumbing. No gateway or agent policy lives here.
 
 #![forbid(unsafe_code)]
 
