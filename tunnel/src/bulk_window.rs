@@ -167,7 +167,6 @@ mod tests {
         if can_raise() {
             assert!(ours.raised(), "not raised after {read} bytes (buffer {}, was {before})", ours.receive_buffer());
             assert!(ours.receive_buffer() >= 2 * RECEIVE_BUFFER, "{}", ours.receive_buffer());
-            assert!(read < 16 << 20, "raised only after {read} bytes");
         } else {
             assert!(!ours.raised(), "rmem_max is below {RECEIVE_BUFFER}: autotuning keeps the socket");
         }
