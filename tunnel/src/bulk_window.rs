@@ -42,20 +42,15 @@ pub const BULK_READS: u32 = 4;
 #[derive(Debug)]
 pub struct BulkWindow {
     stream: TcpStream,
-    /// Backlogged reads so far; `None` once the connection has counted as bulk.
-    bulk_reads: Option<u32>,
+    /// Backlogged reads so far, counted up to [`BULK_READS`].
+    bulk_reads: u32,
     raised: bool,
 }
 
 impl BulkWindow {
     /// Wraps a connected stream.
     pub fn new(stream: TcpStream) -> Self {
-        Self { stream, bulk_reads: Some(0), raised: false }
-    }
-
-    /// The connection.
-    pub fn get_ref(&self) -> &TcpStream {
-        &self.stream
+        Self { stream, bulk_reads: 0, raised: false }
     }
 
     /// Whether the receive buffer was raised.
@@ -69,16 +64,14 @@ impl BulkWindow {
     }
 
     fn count_read(&mut self, n: usize) {
-        let Some(reads) = self.bulk_reads.as_mut() else { return };
-        if n < BULK_READ {
+        if self.bulk_reads >= BULK_READS || n < BULK_READ {
             return;
         }
-        *reads += 1;
-        if *reads < BULK_READS {
+        self.bulk_reads += 1;
+        if self.bulk_reads < BULK_READS {
             return;
         }
-        self.bulk_reads = None;
-        if rmem_max().is_some_and(|max| max >= RECEIVE_BUFFER) && self.receive_buffer() < 2 * RECEIVE_BUFFER {
+        if may_raise() && self.receive_buffer() < 2 * RECEIVE_BUFFER {
             match socket2::SockRef::from(&self.stream).set_recv_buffer_size(RECEIVE_BUFFER) {
                 Ok(()) => self.raised = true,
                 Err(e) => tracing::debug!(error = %e, "cannot raise a bulk connection's receive buffer"),
@@ -87,10 +80,12 @@ impl BulkWindow {
     }
 }
 
-/// `net.core.rmem_max`: the largest receive buffer an unprivileged process may set; read once.
-fn rmem_max() -> Option<usize> {
+/// Whether `net.core.rmem_max` (the largest receive buffer an unprivileged process may set) allows
+/// the whole [`RECEIVE_BUFFER`]; read once.
+fn may_raise() -> bool {
     static MAX: OnceLock<Option<usize>> = OnceLock::new();
-    *MAX.get_or_init(|| std::fs::read_to_string("/proc/sys/net/core/rmem_max").ok()?.trim().parse().ok())
+    MAX.get_or_init(|| std::fs::read_to_string("/proc/sys/net/core/rmem_max").ok()?.trim().parse().ok())
+        .is_some_and(|max| max >= RECEIVE_BUFFER)
 }
 
 impl AsyncRead for BulkWindow {
@@ -144,11 +139,6 @@ mod tests {
         (BulkWindow::new(accepted.unwrap().0), connected.unwrap())
     }
 
-    /// Whether this machine lets the buffer be raised at all (`net.core.rmem_max`).
-    fn can_raise() -> bool {
-        rmem_max().is_some_and(|max| max >= RECEIVE_BUFFER)
-    }
-
     #[tokio::test]
     async fn a_bulk_connection_gets_the_larger_buffer_once_its_reads_find_a_backlog() {
         let (mut ours, mut sender) = pair().await;
@@ -164,7 +154,7 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             read += ours.read(&mut buf).await.unwrap();
         }
-        if can_raise() {
+        if may_raise() {
             assert!(ours.raised(), "not raised after {read} bytes (buffer {}, was {before})", ours.receive_buffer());
             assert!(ours.receive_buffer() >= 2 * RECEIVE_BUFFER, "{}", ours.receive_buffer());
         } else {
